@@ -1,0 +1,212 @@
+"""An actor: steps K environments with the latest policy it has received and pushes unrolls to the learner.
+
+Runs in its own process. Imports only the pure core (spec, wire, models) and never learner code. It learns everything
+about the run (environment id, trajectory spec, network) from the first weights message, and never acts before that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import time
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+import zmq
+
+from . import wire
+from .models import ModelConfig, build_model
+from .spec import TrajectorySpec
+
+log = logging.getLogger("impala_async.actor")
+
+
+@dataclass
+class ActorConfig:
+    learner: str  # PUSH connects here (the learner's --listen)
+    weights: str  # SUB connects here (the learner's --publish)
+    index: int = 0
+    seed: int = 0
+    envs_per_actor: int = 16
+    codec: str = wire.CODEC_LZ4
+    send_hwm_messages: int = 4
+    max_weights_bytes: int = 256 << 20
+    max_wait_for_weights_s: float = 600.0
+    parent_pid: int = 0  # exit when this process goes away (local actors)
+
+
+def weights_address(learner: str) -> str:
+    """Default weights address: the learner's port + 1 (tcp), as the learner binds it by default."""
+    if not learner.startswith("tcp://"):
+        raise ValueError(f"cannot derive a weights address from {learner!r}: give --weights")
+    host, _, port = learner[len("tcp://"):].rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"cannot derive a weights address from {learner!r}: give --weights")
+    return f"tcp://{host}:{int(port) + 1}"
+
+
+class _Stop:
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self, *_):
+        self.requested = True
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if not parent_pid:
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        raise SystemExit(0)
+
+
+class Policy:
+    """The behaviour policy mu: a CPU copy of the learner's network, replaced when new weights arrive."""
+
+    def __init__(self, first: wire.WeightsMessage):
+        self.run_info = first.run_info
+        self.spec = TrajectorySpec.from_dict(first.run_info["spec"])
+        self.model = build_model(self.spec, ModelConfig.from_dict(first.run_info["model"]))
+        self.model.eval()
+        self.version = -1
+        self.load(first)
+
+    def load(self, msg: wire.WeightsMessage) -> None:
+        state = self.model.state_dict()
+        if state.keys() != msg.tensors.keys():
+            raise ValueError("weights do not match the network of this run")
+        with torch.no_grad():
+            for name, t in state.items():
+                t.copy_(torch.from_numpy(msg.tensors[name]).view(t.shape))
+        self.version = msg.version
+
+    @torch.inference_mode()
+    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        logits, values = self.model(torch.from_numpy(obs))
+        return logits.numpy(), values.numpy()
+
+
+def _receive_weights(sub: zmq.Socket, max_bytes: int, timeout_ms: int) -> wire.WeightsMessage | None:
+    """Newest weights message (SUB is CONFLATEd), or None if none arrived within timeout_ms."""
+    if not sub.poll(timeout_ms, zmq.POLLIN):
+        return None
+    try:
+        return wire.decode_weights(sub.recv(zmq.NOBLOCK), max_bytes)
+    except zmq.Again:
+        return None
+    except wire.Rejected as e:
+        log.warning("ignoring a weights message: %s", e)
+        return None
+
+
+def run(cfg: ActorConfig) -> int:
+    """Act until SIGINT/SIGTERM (or the parent's death). Returns the exit code."""
+    _die_with_parent(cfg.parent_pid)
+    stop = _Stop()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    torch.set_num_threads(1)
+    actor_id = f"{socket.gethostname()[:32]}/{os.getpid()}/{secrets.token_hex(4)}"
+    ctx = zmq.Context(1)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.CONFLATE, 1)
+    sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_weights_bytes)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(cfg.weights)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, cfg.send_hwm_messages)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(cfg.learner)
+    try:
+        return _act(cfg, actor_id, sub, push, stop)
+    finally:
+        sub.close(0)
+        push.close(0)
+        ctx.term()
+
+
+def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, stop: _Stop) -> int:
+    deadline = time.monotonic() + cfg.max_wait_for_weights_s
+    first = None
+    while first is None:
+        if stop.requested:
+            return 0
+        if time.monotonic() > deadline:
+            log.error("actor %d: no weights from %s within %.0f s", cfg.index, cfg.weights, cfg.max_wait_for_weights_s)
+            return 3
+        first = _receive_weights(sub, cfg.max_weights_bytes, 100)
+    policy = Policy(first)
+    spec, run_info = policy.spec, policy.run_info
+    T, K = spec.unroll_length, cfg.envs_per_actor
+    seeds = np.random.SeedSequence([cfg.seed, cfg.index]).generate_state(K + 1)
+    rng = np.random.default_rng(seeds[K])
+    envs = [gym.make(run_info["env_id"], **run_info.get("env_kwargs", {})) for _ in range(K)]
+    obs = np.stack([env.reset(seed=int(seeds[k]))[0] for k, env in enumerate(envs)]).astype(spec.obs_dtype)
+    buf = {f.name: np.zeros((K, *f.shape), f.dtype) for f in spec.fields}
+    ep_return, ep_length = np.zeros(K), np.zeros(K, np.int64)
+    episodes: list[tuple[float, int]] = []
+    seq = 0
+    log.info("actor %d (%s): %d x %s, policy version %d", cfg.index, actor_id, K, run_info["env_id"], policy.version)
+    while not stop.requested:
+        buf["obs"][:, 0] = obs
+        buf["truncation_value"][:] = 0.0
+        for t in range(T):
+            logits, _ = policy(obs)
+            actions = np.argmax(logits - np.log(-np.log(rng.random(logits.shape))), axis=1)  # Gumbel-max sample
+            buf["behaviour_logits"][:, t] = logits
+            buf["action"][:, t] = actions
+            cut = []
+            for k, env in enumerate(envs):
+                o, r, terminated, truncated, _ = env.step(int(actions[k]))
+                ep_return[k] += r
+                ep_length[k] += 1
+                buf["reward"][k, t] = r
+                buf["terminated"][k, t] = terminated
+                buf["truncated"][k, t] = truncated and not terminated
+                if terminated or truncated:
+                    if not terminated:
+                        cut.append((k, o))
+                    episodes.append((float(ep_return[k]), int(ep_length[k])))
+                    ep_return[k], ep_length[k] = 0.0, 0
+                    o, _ = env.reset()
+                obs[k] = o
+            if cut:  # bootstrap value of the final observations that a time limit cut off
+                _, v = policy(np.stack([o for _, o in cut]).astype(spec.obs_dtype))
+                for (k, _), value in zip(cut, v):
+                    buf["truncation_value"][k, t] = value
+            buf["obs"][:, t + 1] = obs
+        msg = wire.encode_trajectories(spec, actor_id=actor_id, seq=seq, policy_version=policy.version, arrays=buf,
+                                       episodes=episodes, codec=cfg.codec, sent_at_ns=time.time_ns())
+        if not _send(push, msg, stop):
+            break
+        seq += 1
+        episodes = []
+        newer = _receive_weights(sub, cfg.max_weights_bytes, 0)
+        if newer is not None and newer.version != policy.version:
+            policy.load(newer)
+    for env in envs:
+        env.close()
+    return 0
+
+
+def _send(push: zmq.Socket, msg: bytes, stop: _Stop) -> bool:
+    """Send, waiting (interruptibly) while the learner's queues are full or it is away. False if stopped first."""
+    while not stop.requested:
+        try:
+            push.send(msg, zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            push.poll(100, zmq.POLLOUT)
+    return False

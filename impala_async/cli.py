@@ -1,0 +1,159 @@
+"""``impala-async``: train | learner | actor.
+
+    impala-async train --env CartPole-v1                      learner + local actors, one command
+    impala-async learner --listen tcp://0.0.0.0:5555          learner only; prints the addresses actors attach to
+    impala-async actor --learner tcp://HOST:5555              actors on another machine
+"""
+
+from __future__ import annotations
+
+import time
+
+START_MONOTONIC = time.monotonic()  # wall_s in metrics counts from here, before the heavy imports
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+from .config import LearnerConfig, add_arguments, from_arguments  # noqa: E402
+
+log = logging.getLogger("impala_async")
+
+
+def _default_publish(listen: str) -> str:
+    if listen.startswith("tcp://"):
+        host, _, port = listen[len("tcp://"):].rpartition(":")
+        return f"tcp://{host}:{'*' if port == '*' else int(port) + 1}"
+    if listen.startswith("ipc://"):
+        return listen + ".weights"
+    raise ValueError(f"cannot derive a publish address from {listen!r}: give --publish")
+
+
+def _resolve_device(name: str):
+    import torch
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("impala-async: --device cuda asked for, but torch sees no CUDA device")
+    return device
+
+
+def _run_learner(cfg: LearnerConfig, default_listen: str) -> int:
+    import gymnasium as gym
+    import numpy as np
+    import torch
+    import uvloop
+
+    from . import wire
+    from .learn import Learner
+    from .procs import ActorProcesses, actor_argv
+    from .server import LearnerServer
+    from .spec import TrajectorySpec
+
+    try:
+        cfg.listen = cfg.listen or default_listen
+        cfg.publish = cfg.publish or _default_publish(cfg.listen)
+        cfg.check()
+    except ValueError as e:
+        raise SystemExit(f"impala-async: {e}") from None
+    if not cfg.logdir:
+        cfg.logdir = f"runs/{cfg.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    device = _resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the actors need the other cores more than a small network needs threads
+    env = gym.make(cfg.env)
+    spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, cfg.unroll_length)
+    env.close()
+    learner = Learner(cfg, spec, device)
+    run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": cfg.env, "env_kwargs": {},
+                "spec": spec.to_dict(), "model": learner.model_config.to_dict()}
+    server: LearnerServer | None = None
+    actors = None
+    if cfg.num_actors > 0:
+        actors = ActorProcesses(
+            lambda i: actor_argv(server.listen_endpoint, server.publish_endpoint, i, seed=cfg.seed,
+                                 envs_per_actor=cfg.envs_per_actor), cfg.num_actors)
+    server = LearnerServer(cfg, learner, spec, run_info, cfg.logdir, start_monotonic=START_MONOTONIC, actors=actors)
+    code = uvloop.run(server.serve())
+    if code:
+        print(f"impala-async: stopped: {server.exit_reason}", file=sys.stderr)
+    return code
+
+
+def cmd_train(args) -> int:
+    return _run_learner(from_arguments(LearnerConfig, args), "tcp://127.0.0.1:*")
+
+
+def cmd_learner(args) -> int:
+    return _run_learner(from_arguments(LearnerConfig, args, num_actors=0), "tcp://127.0.0.1:5555")
+
+
+def cmd_actor(args) -> int:
+    import signal
+
+    from . import actor
+    from .procs import ActorProcesses, actor_argv
+
+    weights = args.weights or actor.weights_address(args.learner)
+    if args.num_actors == 1:
+        return actor.run(actor.ActorConfig(
+            learner=args.learner, weights=weights, index=args.index, seed=args.seed,
+            envs_per_actor=args.envs_per_actor, codec=args.codec, parent_pid=args.parent_pid,
+            max_wait_for_weights_s=args.max_wait_for_weights_s))
+    procs = ActorProcesses(lambda i: actor_argv(args.learner, weights, args.index + i, seed=args.seed,
+                                                envs_per_actor=args.envs_per_actor,
+                                                extra=["--codec", args.codec]), args.num_actors)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    procs.start()
+    print(f"impala-async: {args.num_actors} actors -> {args.learner} (weights from {weights})", flush=True)
+    while not stopping:
+        procs.check()
+        time.sleep(0.2)
+    procs.stop(5.0)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="impala-async", description="IMPALA (V-trace actor-learner) over ZeroMQ.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = sub.add_parser("train", help="run a learner and local actors", description=(
+        "Train with a learner and --num-actors local actor processes. External actors may attach as well."))
+    add_arguments(train, LearnerConfig)
+    train.set_defaults(func=cmd_train)
+    learner = sub.add_parser("learner", help="run only the learner; actors attach by address", description=(
+        "Run the learner alone. Actors on this or other machines attach with "
+        "'impala-async actor --learner ADDRESS'; the addresses are printed at start."))
+    add_arguments(learner, LearnerConfig, skip={"num_actors", "envs_per_actor"})
+    learner.set_defaults(func=cmd_learner)
+    act = sub.add_parser("actor", help="run actors that attach to a learner", description=(
+        "Run actors against a running learner. The environment, unroll length and network come from the "
+        "learner with its weights."))
+    act.add_argument("--learner", required=True, help="the learner's trajectory address (its --listen)")
+    act.add_argument("--weights", default="", help="the learner's weights address (default: learner port + 1)")
+    act.add_argument("--num-actors", type=int, default=1, help="actor processes to run (default: 1)")
+    act.add_argument("--envs-per-actor", type=int, default=16, help="environments per actor (default: 16)")
+    act.add_argument("--seed", type=int, default=0, help="base seed (default: 0)")
+    act.add_argument("--index", type=int, default=0, help="index of the first actor, for seeding (default: 0)")
+    act.add_argument("--codec", choices=("lz4", "none"), default="lz4", help="array compression (default: lz4)")
+    act.add_argument("--max-wait-for-weights-s", type=float, default=600.0,
+                     help="give up if no weights arrive within this long (default: 600)")
+    act.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
+    act.set_defaults(func=cmd_actor)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Configuration of a learner (and of the local actors ``train`` starts), with checks that explain what they prevent.
+
+Every field is also a command-line flag (``--field-name``); ``help`` comes from the field's metadata. Limits are named
+``max_*`` with their unit in the name; durations end in ``_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+
+def opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class LearnerConfig:
+    # ---- run
+    env: str = opt("CartPole-v1", "gymnasium environment id (Discrete actions; vector or uint8-image observations)")
+    seed: int = opt(0, "random seed of the learner; actor i seeds its environments from seed, i and env index")
+    logdir: str = opt("", "directory for metrics.jsonl and checkpoints (default: runs/<env>-<UTC time>)")
+    device: str = opt("auto", "where the learner trains: auto (cuda if available), cpu or cuda[:N]")
+    total_env_steps: int = opt(400_000, "stop after training on this many environment steps")
+    # ---- local actors (train only)
+    num_actors: int = opt(2, "actor processes started by 'train' (0: none, attach external actors instead)")
+    envs_per_actor: int = opt(16, "environments each actor steps with one batched forward pass")
+    unroll_length: int = opt(20, "T: environment steps per trajectory")
+    # ---- model
+    hidden_sizes: str = opt("64,64", "MLP layer widths, comma separated (vector observations)")
+    activation: str = opt("tanh", "MLP activation: tanh, relu or elu")
+    # ---- optimisation
+    batch_size: int = opt(16, "B: trajectories per learner update")
+    optimizer: str = opt("adam", "adam (the source article's choice) or rmsprop (torchbeast's)")
+    learning_rate: float = opt(1e-3, "initial learning rate")
+    lr_schedule: str = opt("linear", "linear (decay to 0 at total_env_steps) or constant")
+    adam_eps: float = opt(1e-5, "Adam epsilon")
+    rmsprop_alpha: float = opt(0.99, "RMSprop smoothing constant")
+    rmsprop_eps: float = opt(0.01, "RMSprop epsilon")
+    rmsprop_momentum: float = opt(0.0, "RMSprop momentum")
+    max_grad_norm: float = opt(40.0, "clip the global gradient norm to this (0: no clipping)")
+    discount: float = opt(0.99, "gamma")
+    entropy_cost: float = opt(0.01, "weight of the entropy bonus")
+    baseline_cost: float = opt(0.5, "weight of the baseline (value) loss")
+    reward_clip: float = opt(0.0, "clip rewards to [-x, x] before learning (0: no clipping)")
+    clip_rho_threshold: float = opt(1.0, "V-trace rho-bar (0: no clipping)")
+    clip_pg_rho_threshold: float = opt(1.0, "clip of the policy-gradient importance weight (0: no clipping)")
+    clip_c_threshold: float = opt(1.0, "V-trace c-bar (0: no clipping)")
+    # ---- sockets
+    listen: str = opt("", "ZeroMQ address trajectories arrive on (PULL; default tcp://127.0.0.1:5555 for "
+                          "'learner', a free loopback port for 'train')")
+    publish: str = opt("", "ZeroMQ address weights go out on (PUB; default: the listen port + 1)")
+    receive_hwm_messages: int = opt(8, "ZMQ_RCVHWM: messages queued per connected actor before it must wait")
+    # ---- limits and flow control
+    max_message_bytes: int = opt(16 << 20, "largest trajectory message accepted (ZMQ_MAXMSGSIZE)")
+    max_trajectories_per_message: int = opt(256, "most trajectories in one message")
+    max_episodes_per_message: int = opt(4096, "most episode records in one message")
+    max_actor_id_bytes: int = opt(64, "longest actor id")
+    max_policy_lag: int = opt(100, "drop trajectories whose behaviour policy is more than this many versions old")
+    max_tracked_actors: int = opt(100_000, "actor ids remembered for replay detection (least recent forgotten)")
+    ring_batches: int = opt(6, "batch slots in the ring buffer (>= 3)")
+    when_full: str = opt("drop_oldest", "when every ring slot is taken: drop_oldest (the oldest waiting batch) or "
+                                        "wait (stop reading; socket high-water marks then make actors wait)")
+    # ---- intervals and timeouts
+    publish_interval_s: float = opt(0.0, "least time between two weight publications (0: after every update)")
+    republish_interval_s: float = opt(1.0, "resend the latest weights this often, for actors that join late")
+    report_interval_s: float = opt(1.0, "write a metrics line this often")
+    checkpoint_interval_s: float = opt(600.0, "write a checkpoint this often (a final one is always written)")
+    shutdown_timeout_s: float = opt(10.0, "graceful shutdown gives up and forces exit after this long")
+    actor_start_timeout_s: float = opt(120.0, "exit non-zero if no trajectory arrives this long after start")
+
+    def check(self) -> LearnerConfig:
+        """Raise ValueError naming the field and the failure it would cause."""
+        def need(cond, msg):
+            if not cond:
+                raise ValueError(msg)
+        need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+             f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        need(self.total_env_steps > 0, "total_env_steps must be > 0: the run would end before it starts")
+        need(self.num_actors >= 0, "num_actors must be >= 0")
+        need(self.envs_per_actor >= 1, "envs_per_actor must be >= 1: an actor without environments sends nothing")
+        need(self.envs_per_actor <= self.max_trajectories_per_message,
+             "envs_per_actor must be <= max_trajectories_per_message: every unroll of an actor goes in one message, "
+             "which the learner would reject")
+        need(self.unroll_length >= 1, "unroll_length must be >= 1")
+        need(self.batch_size >= 1, "batch_size must be >= 1")
+        need(self.optimizer in ("adam", "rmsprop"), f"optimizer must be adam or rmsprop, got {self.optimizer!r}")
+        need(self.lr_schedule in ("linear", "constant"), "lr_schedule must be linear or constant")
+        need(self.learning_rate > 0, "learning_rate must be > 0")
+        need(0.0 <= self.discount <= 1.0, "discount must lie in [0, 1]: values would diverge")
+        for name in ("entropy_cost", "baseline_cost", "reward_clip", "max_grad_norm", "clip_rho_threshold",
+                     "clip_pg_rho_threshold", "clip_c_threshold"):
+            v = getattr(self, name)
+            need(math.isfinite(v) and v >= 0, f"{name} must be a finite number >= 0, got {v}")
+        need(self.baseline_cost > 0, "baseline_cost must be > 0: without a trained baseline V-trace targets are noise")
+        need(self.ring_batches >= 3, "ring_batches must be >= 3 (one filling, one training, one waiting); with fewer "
+                                     "the receiver and the trainer would wait on each other")
+        need(self.when_full in ("drop_oldest", "wait"), "when_full must be drop_oldest or wait")
+        need(self.max_policy_lag >= 1, "max_policy_lag must be >= 1: 0 would drop everything the actors send")
+        need(self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024")
+        need(self.receive_hwm_messages >= 1, "receive_hwm_messages must be >= 1")
+        for name in ("max_trajectories_per_message", "max_episodes_per_message", "max_actor_id_bytes",
+                     "max_tracked_actors"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1")
+        for name in ("republish_interval_s", "report_interval_s", "checkpoint_interval_s", "shutdown_timeout_s",
+                     "actor_start_timeout_s"):
+            need(getattr(self, name) > 0, f"{name} must be > 0")
+        need(self.publish_interval_s >= 0, "publish_interval_s must be >= 0")
+        try:
+            sizes = self.hidden_size_tuple
+        except ValueError:
+            sizes = ()
+        need(len(sizes) >= 1 and all(h >= 1 for h in sizes),
+             f"hidden_sizes must be comma-separated positive integers, got {self.hidden_sizes!r}")
+        return self
+
+    @property
+    def hidden_size_tuple(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.hidden_sizes.split(",") if x.strip())
+
+    @staticmethod
+    def threshold(x: float) -> float | None:
+        """V-trace thresholds: 0 in the config means no clipping (None in vtrace)."""
+        return None if x == 0 else x
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls, skip=()) -> None:
+    """One ``--field-name`` flag per dataclass field, typed from its default."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        kind = type(f.default)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=f.default,
+                            metavar=kind.__name__.upper(), help=f"{f.metadata['help']} (default: {f.default!r})")
+
+
+def from_arguments(cls, args: argparse.Namespace, **overrides):
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values.update(overrides)
+    return cls(**values)

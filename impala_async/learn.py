@@ -1,0 +1,114 @@
+"""The IMPALA update: V-trace policy gradient, baseline regression and entropy bonus on one batch.
+
+No I/O and no threads here; the server calls :meth:`Learner.step` from its training thread.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import vtrace
+from .config import LearnerConfig
+from .models import ModelConfig, build_model
+from .spec import TrajectorySpec
+
+# Bin edges of the importance-weight histogram in the metrics (policy-collapse diagnosis: mass far from 1).
+RHO_BIN_EDGES = (0.0, 0.1, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, 10.0)
+
+
+def model_config(cfg: LearnerConfig) -> ModelConfig:
+    return ModelConfig(hidden_sizes=cfg.hidden_size_tuple, activation=cfg.activation)
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig, spec: TrajectorySpec, device: torch.device):
+        self.cfg = cfg
+        self.spec = spec
+        self.device = device
+        self.model_config = model_config(cfg).resolved(spec)
+        self.model = build_model(spec, self.model_config).to(device)
+        params = self.model.parameters()
+        if cfg.optimizer == "adam":
+            self.optimizer = torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.adam_eps)
+        else:
+            self.optimizer = torch.optim.RMSprop(params, lr=cfg.learning_rate, alpha=cfg.rmsprop_alpha,
+                                                 eps=cfg.rmsprop_eps, momentum=cfg.rmsprop_momentum)
+        self.env_steps_trained = 0
+        self.updates = 0
+        self._rho_edges = torch.tensor(RHO_BIN_EDGES[1:], device=device)
+
+    def learning_rate(self) -> float:
+        if self.cfg.lr_schedule == "constant":
+            return self.cfg.learning_rate
+        return self.cfg.learning_rate * max(0.0, 1.0 - self.env_steps_trained / self.cfg.total_env_steps)
+
+    def step(self, batch: dict[str, torch.Tensor]) -> dict:
+        """One update from a batch of ``B`` trajectories, batch-major as in the ring: ``obs [B, T+1, ...]``,
+        ``action``/``reward``/``terminated``/``truncated``/``truncation_value`` ``[B, T]``,
+        ``behaviour_logits [B, T, A]``. Returns float statistics."""
+        cfg = self.cfg
+        obs = batch["obs"]
+        B, T1 = obs.shape[:2]
+        T = T1 - 1
+        logits, values = self.model(obs.reshape(B * T1, *obs.shape[2:]))
+        logits = logits.view(B, T1, -1).transpose(0, 1)  # [T+1, B, A]
+        values = values.view(B, T1).transpose(0, 1)  # [T+1, B]
+
+        def tm(name):  # time-major [T, B, ...]
+            return batch[name].transpose(0, 1)
+
+        rewards = tm("reward").float()
+        if cfg.reward_clip > 0:
+            rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
+        truncated = tm("truncated").float()
+        done = torch.maximum(tm("terminated").float(), truncated)
+        discounts = cfg.discount * (1.0 - done)
+        # A time-limit cut is not a terminal state: bootstrap from the value the actor computed for the final
+        # observation (the next slot already holds the reset observation).
+        rewards = rewards + cfg.discount * truncated * tm("truncation_value").float()
+
+        vt = vtrace.from_logits(
+            behaviour_policy_logits=tm("behaviour_logits"), target_policy_logits=logits[:T], actions=tm("action"),
+            discounts=discounts, rewards=rewards, values=values[:T], bootstrap_value=values[T],
+            clip_rho_threshold=cfg.threshold(cfg.clip_rho_threshold),
+            clip_pg_rho_threshold=cfg.threshold(cfg.clip_pg_rho_threshold),
+            clip_c_threshold=cfg.threshold(cfg.clip_c_threshold))
+        pg_loss = -(vt.target_action_log_probs * vt.pg_advantages).mean()
+        baseline_loss = 0.5 * (vt.vs - values[:T].float()).pow(2).mean()
+        log_probs = F.log_softmax(logits[:T].float(), dim=-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
+        loss = pg_loss + cfg.baseline_cost * baseline_loss - cfg.entropy_cost * entropy
+
+        lr = self.learning_rate()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.env_steps_trained += B * T
+        self.updates += 1
+
+        with torch.no_grad():
+            rhos = vt.log_rhos.exp()
+            rho_bar = cfg.clip_rho_threshold if cfg.clip_rho_threshold > 0 else float("inf")
+            hist = torch.bincount(torch.bucketize(rhos.flatten(), self._rho_edges), minlength=len(RHO_BIN_EDGES))
+            scalars = torch.stack([pg_loss.detach(), baseline_loss.detach(), entropy.detach(), grad_norm.float(),
+                                   rhos.mean(), (rhos > rho_bar).float().mean()]).tolist()
+        names = ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac")
+        stats = dict(zip(names, scalars))
+        stats["lr"] = lr
+        stats["rho_hist"] = hist.tolist()
+        return stats
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "env_steps_trained": self.env_steps_trained, "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.env_steps_trained = int(state["env_steps_trained"])
+        self.updates = int(state["updates"])

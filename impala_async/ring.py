@@ -1,0 +1,146 @@
+"""Preallocated ring of trajectory slots, filled one trajectory at a time and consumed one batch at a time.
+
+Pure: torch, numpy and threading only. Storage is allocated once: for every field of the spec one tensor
+``[num_batches, batch_size, *field.shape]`` (pinned when asked, for asynchronous host-to-device copies). A *batch slot*
+``k`` is the contiguous block ``storage[k]``, ``[B, *field.shape]`` per field, so a full batch goes to training as a
+view, with no gather and no allocation.
+
+Life of a batch slot: FREE -> FILLING (the receiver decodes trajectories into its rows, one by one) -> READY (queued
+for training) -> TRAINING (handed out by :meth:`get`) -> FREE (after :meth:`release`). One thread writes (the
+receiver), one thread reads (the trainer).
+
+When the learner falls behind and no FREE slot is left, the ring either drops its oldest READY batch
+(``drop_when_full=True``: bounded memory, freshest data, every drop counted) or reports itself not writable until the
+trainer releases a slot (``False``: the receiver stops reading and the sockets' high-water marks push back on actors).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+
+from .spec import TrajectorySpec
+
+
+class Batch(NamedTuple):
+    index: int  # batch slot in the ring
+    tensors: dict  # field name -> tensor [B, *field.shape], a view of ring storage
+    policy_versions: np.ndarray  # [B] int64, behaviour policy version of each trajectory
+    arrival_ns: np.ndarray  # [B] int64, time.monotonic_ns() when each trajectory landed in its slot
+
+
+class TrajectoryRing:
+    def __init__(self, spec: TrajectorySpec, batch_size: int, num_batches: int, *, pin_memory: bool = False,
+                 drop_when_full: bool = True):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_batches < 3:
+            raise ValueError(f"num_batches must be >= 3 (one filling, one training, one ready), got {num_batches}")
+        self.spec = spec
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self.drop_when_full = drop_when_full
+        self.tensors = {
+            f.name: torch.empty((num_batches, batch_size, *f.shape), dtype=torch.from_numpy(np.empty(0, f.dtype)).dtype,
+                                pin_memory=pin_memory)
+            for f in spec.fields}
+        arrays = {name: t.numpy() for name, t in self.tensors.items()}
+        # Per-slot numpy views, made once: the hot path only indexes this list.
+        self._slots = [{name: a[k, r] for name, a in arrays.items()}
+                       for k in range(num_batches) for r in range(batch_size)]
+        self._versions = np.zeros((num_batches, batch_size), np.int64)
+        self._arrival_ns = np.zeros((num_batches, batch_size), np.int64)
+        self._cond = threading.Condition()
+        self._free = deque(range(1, num_batches))
+        self._ready: deque[int] = deque()
+        self._filling: int | None = 0
+        self._row = 0
+        self._closed = False
+        self.on_release: Callable[[], None] | None = None  # called (from the trainer thread) after a release
+        # Counters (trajectories), read by the server's metrics.
+        self.dropped_full = 0
+        self.dropped_stale = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    # ----------------------------------------------------------------------------------------------- writer side
+    def writable(self) -> bool:
+        """True if :meth:`slot` can be filled now."""
+        if self._filling is None:
+            with self._cond:
+                if self._free:
+                    self._filling, self._row = self._free.popleft(), 0
+        return self._filling is not None
+
+    def slot(self) -> dict[str, np.ndarray]:
+        """numpy views (``field.shape`` each) of the next free row. Only valid while :meth:`writable` is True;
+        fill it and :meth:`commit`, or just leave it (a failed decode): the next call returns the same row."""
+        return self._slots[self._filling * self.batch_size + self._row]
+
+    def commit(self, policy_version: int, arrival_ns: int) -> None:
+        """The row returned by :meth:`slot` now holds a valid trajectory."""
+        k, r = self._filling, self._row
+        self._versions[k, r] = policy_version
+        self._arrival_ns[k, r] = arrival_ns
+        self._row = r + 1
+        if self._row < self.batch_size:
+            return
+        with self._cond:
+            self._ready.append(k)
+            self._row = 0
+            if self._free:
+                self._filling = self._free.popleft()
+            elif self.drop_when_full:
+                self._filling = self._ready.popleft()  # the oldest READY batch makes room
+                self.dropped_full += self.batch_size
+            else:
+                self._filling = None
+            self._cond.notify_all()
+
+    def pending_rows(self) -> int:
+        """Rows filled in the current, incomplete batch slot."""
+        return self._row if self._filling is not None else 0
+
+    # ----------------------------------------------------------------------------------------------- reader side
+    def get(self, timeout_s: float, min_policy_version: int | None = None) -> Batch | None:
+        """Oldest READY batch, or None after ``timeout_s`` or :meth:`close`. Batches holding a trajectory older than
+        ``min_policy_version`` are dropped (counted in ``dropped_stale``) instead of returned."""
+        with self._cond:
+            while True:
+                while self._ready:
+                    k = self._ready.popleft()
+                    if min_policy_version is not None and self._versions[k].min() < min_policy_version:
+                        self.dropped_stale += self.batch_size
+                        self._return_slot(k)
+                        continue
+                    return Batch(k, {name: t[k] for name, t in self.tensors.items()},
+                                 self._versions[k].copy(), self._arrival_ns[k].copy())
+                if self._closed or not self._cond.wait(timeout_s):
+                    return None
+
+    def release(self, batch: Batch) -> None:
+        """The trainer is done with ``batch`` (and any asynchronous copy from it has completed)."""
+        with self._cond:
+            self._return_slot(batch.index)
+        if self.on_release is not None:
+            self.on_release()
+
+    def _return_slot(self, k: int) -> None:
+        self._free.append(k)  # the writer picks it up in writable()
+        self._cond.notify_all()
+
+    def ready_batches(self) -> int:
+        with self._cond:
+            return len(self._ready)
+
+    def close(self) -> None:
+        """Wake any reader blocked in :meth:`get`; it returns None from now on once READY batches run out."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
