@@ -184,7 +184,7 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
                 obs[k] = o
             if cut:  # bootstrap value of the final observations that a time limit cut off
                 _, v = policy(np.stack([o for _, o in cut]).astype(spec.obs_dtype))
-                for (k, _), value in zip(cut, v):
+                for (k, _), value in zip(cut, v, strict=True):
                     buf["truncation_value"][k, t] = value
             buf["obs"][:, t + 1] = obs
         msg = wire.encode_trajectories(spec, actor_id=actor_id, seq=seq, policy_version=policy.version, arrays=buf,

@@ -72,10 +72,10 @@ def _run_learner(cfg: LearnerConfig, default_listen: str) -> int:
                 "spec": spec.to_dict(), "model": learner.model_config.to_dict()}
     server: LearnerServer | None = None
     actors = None
-    if cfg.num_actors > 0:
+    if cfg.local_actors > 0:
         actors = ActorProcesses(
             lambda i: actor_argv(server.listen_endpoint, server.publish_endpoint, i, seed=cfg.seed,
-                                 envs_per_actor=cfg.envs_per_actor), cfg.num_actors)
+                                 envs_per_actor=cfg.envs_per_actor), cfg.local_actors)
     server = LearnerServer(cfg, learner, spec, run_info, cfg.logdir, start_monotonic=START_MONOTONIC, actors=actors)
     code = uvloop.run(server.serve())
     if code:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 
 
@@ -23,10 +24,11 @@ class LearnerConfig:
     seed: int = opt(0, "random seed of the learner; actor i seeds its environments from seed, i and env index")
     logdir: str = opt("", "directory for metrics.jsonl and checkpoints (default: runs/<env>-<UTC time>)")
     device: str = opt("auto", "where the learner trains: auto (cuda if available), cpu or cuda[:N]")
-    total_env_steps: int = opt(400_000, "stop after training on this many environment steps")
+    total_env_steps: int = opt(1_000_000, "stop after training on this many environment steps")
     # ---- local actors (train only)
-    num_actors: int = opt(2, "actor processes started by 'train' (0: none, attach external actors instead)")
-    envs_per_actor: int = opt(16, "environments each actor steps with one batched forward pass")
+    num_actors: int = opt(-1, "actor processes started by 'train' (-1: one per CPU core but the one the learner "
+                                 "keeps; 0: none, attach external actors instead)")
+    envs_per_actor: int = opt(32, "environments each actor steps with one batched forward pass")
     unroll_length: int = opt(20, "T: environment steps per trajectory")
     # ---- model
     hidden_sizes: str = opt("64,64", "MLP layer widths, comma separated (vector observations)")
@@ -42,7 +44,7 @@ class LearnerConfig:
     rmsprop_momentum: float = opt(0.0, "RMSprop momentum")
     max_grad_norm: float = opt(40.0, "clip the global gradient norm to this (0: no clipping)")
     discount: float = opt(0.99, "gamma")
-    entropy_cost: float = opt(0.01, "weight of the entropy bonus")
+    entropy_cost: float = opt(0.001, "weight of the entropy bonus")
     baseline_cost: float = opt(0.5, "weight of the baseline (value) loss")
     reward_clip: float = opt(0.0, "clip rewards to [-x, x] before learning (0: no clipping)")
     clip_rho_threshold: float = opt(1.0, "V-trace rho-bar (0: no clipping)")
@@ -79,7 +81,7 @@ class LearnerConfig:
         need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
              f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         need(self.total_env_steps > 0, "total_env_steps must be > 0: the run would end before it starts")
-        need(self.num_actors >= 0, "num_actors must be >= 0")
+        need(self.num_actors >= -1, "num_actors must be >= 0, or -1 for one per CPU core but one")
         need(self.envs_per_actor >= 1, "envs_per_actor must be >= 1: an actor without environments sends nothing")
         need(self.envs_per_actor <= self.max_trajectories_per_message,
              "envs_per_actor must be <= max_trajectories_per_message: every unroll of an actor goes in one message, "
@@ -115,6 +117,10 @@ class LearnerConfig:
         need(len(sizes) >= 1 and all(h >= 1 for h in sizes),
              f"hidden_sizes must be comma-separated positive integers, got {self.hidden_sizes!r}")
         return self
+
+    @property
+    def local_actors(self) -> int:
+        return max(1, (os.cpu_count() or 2) - 1) if self.num_actors == -1 else self.num_actors
 
     @property
     def hidden_size_tuple(self) -> tuple[int, ...]:

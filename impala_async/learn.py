@@ -98,7 +98,7 @@ class Learner:
             scalars = torch.stack([pg_loss.detach(), baseline_loss.detach(), entropy.detach(), grad_norm.float(),
                                    rhos.mean(), (rhos > rho_bar).float().mean()]).tolist()
         names = ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac")
-        stats = dict(zip(names, scalars))
+        stats = dict(zip(names, scalars, strict=True))
         stats["lr"] = lr
         stats["rho_hist"] = hist.tolist()
         return stats

@@ -57,7 +57,7 @@ def _init(layer: nn.Linear | nn.Conv2d, gain: float):
 
 def _mlp(sizes, activation) -> nn.Sequential:
     layers = []
-    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+    for n_in, n_out in zip(sizes[:-1], sizes[1:], strict=True):
         layers += [_init(nn.Linear(n_in, n_out), math.sqrt(2)), ACTIVATIONS[activation]()]
     return nn.Sequential(*layers)
 

@@ -12,8 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 log = logging.getLogger("impala_async.procs")
 
@@ -53,7 +53,8 @@ class ActorProcesses:
 
     def _spawn(self, c: _Child) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        c.proc = subprocess.Popen(self._argv(c.index), env=env, stdin=subprocess.DEVNULL, start_new_session=False)
+        # Own session: a Ctrl-C in the terminal reaches only the learner, which then stops actors in order.
+        c.proc = subprocess.Popen(self._argv(c.index), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         c.started_at = time.monotonic()
 
     def alive(self) -> int:

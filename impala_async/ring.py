@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch

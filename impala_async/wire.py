@@ -218,7 +218,8 @@ class TrajectoryDecoder:
                 except Exception as e:  # cramjam.DecompressionError on corrupt or oversized blocks
                     raise Rejected("bad_lz4", f"field {f.name!r}: {e}") from None
                 if written != f.nbytes:
-                    raise Rejected("bad_lz4", f"field {f.name!r}: decompressed to {written} bytes, spec says {f.nbytes}")
+                    raise Rejected("bad_lz4", f"field {f.name!r}: decompressed to {written} bytes, "
+                                              f"spec says {f.nbytes}")
             else:
                 out.reshape(-1).view(np.uint8)[:] = np.frombuffer(payload, dtype=np.uint8)
             check = f.check

@@ -79,7 +79,8 @@ def test_discount_zero_cuts_the_trace():
     rewards2, values2 = rewards.copy(), values.copy()
     rewards2[2:] += 5.0
     values2[2:] -= 3.0
-    b = vtrace.from_importance_weights(*(torch.tensor(x) for x in (log_rhos, discounts, rewards2, values2, bootstrap + 7)))
+    changed = (log_rhos, discounts, rewards2, values2, bootstrap + 7)
+    b = vtrace.from_importance_weights(*(torch.tensor(x) for x in changed))
     np.testing.assert_allclose(a.vs[:2].numpy(), b.vs[:2].numpy(), rtol=1e-6)
     assert not np.allclose(a.vs[2:].numpy(), b.vs[2:].numpy())
 

@@ -1,0 +1,117 @@
+"""Running the real CLI in tests: start it, wait on conditions (never sleep-and-hope), and clean up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+METRICS_FIELDS = (
+    "wall_s", "env_steps", "learner_steps", "sps", "episode_return_mean", "episodes", "policy_version",
+    "policy_lag_min", "policy_lag_avg", "policy_lag_max", "trajectories_received", "trajectories_rejected",
+    "loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac")
+
+
+def cli(*args: str, log: Path | None = None, **kw) -> subprocess.Popen:
+    out = open(log, "w") if log else subprocess.DEVNULL
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "impala_async", *args], stdout=out, stderr=subprocess.STDOUT,
+                            env=env, **kw)
+
+
+def read_metrics(logdir: Path) -> list[dict]:
+    path = Path(logdir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
+def wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    """Poll cond() until it returns something truthy; fail with the log's tail after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}\n{tail(log)}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{tail(log)}")
+
+
+def tail(log: Path | None, n: int = 40) -> str:
+    if log is None or not Path(log).exists():
+        return ""
+    return "\n".join(Path(log).read_text().splitlines()[-n:])
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def actor_pids() -> list[int]:
+    """Every 'impala_async actor' process of this user, wherever it is in the process tree."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = p.info["cmdline"] or []
+        if "impala_async" in cmd and "actor" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p.pid)
+    return found
+
+
+def gone(pids, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 15) -> None:
+    """Terminate a CLI process and everything it started (test cleanup)."""
+    if proc.poll() is None:
+        kids = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for pid in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def free_port_pair() -> int:
+    """A port p such that p and p + 1 are both free on 127.0.0.1 (for --listen and its default --publish)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")

@@ -1,0 +1,117 @@
+"""End to end: the real `impala-async` CLI as subprocesses, real sockets, real CartPole, tiny budgets."""
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from procutil import (
+    METRICS_FIELDS,
+    actor_pids,
+    cli,
+    descendants,
+    free_port_pair,
+    gone,
+    read_metrics,
+    stop,
+    tail,
+    wait_for,
+)
+
+from impala_async import checkpoint
+
+SMALL = ["--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "--unroll-length", "10",
+         "--batch-size", "4", "--report-interval-s", "0.5"]
+
+
+@pytest.mark.parametrize("command,flags", [
+    ([], ["train", "learner", "actor"]),
+    (["train"], ["--env", "--num-actors", "--envs-per-actor", "--unroll-length", "--batch-size", "--total-env-steps",
+                 "--learning-rate", "--entropy-cost", "--seed", "--logdir", "--device", "--listen", "--publish"]),
+    (["learner"], ["--listen", "--publish", "--max-message-bytes", "--max-policy-lag"]),
+    (["actor"], ["--learner", "--weights", "--num-actors", "--envs-per-actor", "--seed"]),
+])
+def test_help_is_complete(command, flags):
+    out = subprocess.run([sys.executable, "-m", "impala_async", *command, "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    for flag in flags:
+        assert flag in out.stdout, flag
+
+
+def test_train_end_to_end(tmp_path):
+    logdir, log = tmp_path / "run", tmp_path / "log"
+    proc = cli("train", *SMALL, "--total-env-steps", "4000", "--logdir", str(logdir), log=log)
+    assert proc.wait(120) == 0, tail(log)
+    rows = read_metrics(logdir)
+    assert rows, tail(log)
+    last = rows[-1]
+    missing = [f for f in METRICS_FIELDS if f not in last]
+    assert not missing, missing
+    assert last["learner_steps"] > 0 and last["env_steps_trained"] >= 4000
+    assert last["episodes"] > 0 and last["episode_return_mean"] > 0
+    assert last["policy_version"] == last["learner_steps"]
+    assert any(r["policy_lag_avg"] is not None and r["loss_pg"] is not None for r in rows)
+    assert last["trajectories_rejected"] == 0
+    ckpts = checkpoint.list_checkpoints(logdir)
+    assert ckpts, "no final checkpoint"
+    state = torch.load(ckpts[-1], weights_only=True)
+    assert state["learner"]["updates"] == last["learner_steps"]
+    address = re.search(r"--learner (tcp://\S+)", log.read_text()).group(1)
+    assert not [p for p in actor_pids() if address in " ".join(_cmdline(p))], "an actor outlived the learner"
+
+
+def _cmdline(pid):
+    import psutil
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_everything_within_10_s(tmp_path, sig):
+    logdir, log = tmp_path / "run", tmp_path / "log"
+    proc = cli("train", *SMALL, "--num-actors", "2", "--total-env-steps", "10000000", "--logdir", str(logdir),
+               log=log)
+    try:
+        wait_for(lambda: any(r["learner_steps"] > 0 for r in read_metrics(logdir)), 90, "learner steps", proc, log)
+        kids = descendants(proc.pid)
+        assert len(kids) >= 2, kids
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(10) == 0, tail(log)
+        assert time.monotonic() - t0 < 10
+        assert gone(kids, 2.0), "actor processes left behind"
+        assert checkpoint.list_checkpoints(logdir), "no final checkpoint"
+    finally:
+        stop(proc)
+
+
+def test_learner_and_attached_actors(tmp_path):
+    port = free_port_pair()
+    logdir, llog, alog = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actor.log"
+    learner = cli("learner", "--env", "CartPole-v1", "--listen", f"tcp://127.0.0.1:{port}", "--unroll-length", "10",
+                  "--batch-size", "4", "--total-env-steps", "3000", "--logdir", str(logdir), log=llog)
+    actors = None
+    try:
+        wait_for(lambda: "listening" in llog.read_text(), 60, "learner start", learner, llog)
+        assert f"--learner tcp://127.0.0.1:{port} --weights tcp://127.0.0.1:{port + 1}" in llog.read_text()
+        # The actor is given only the trajectory address: weights address, env and spec come from the learner.
+        actors = cli("actor", "--learner", f"tcp://127.0.0.1:{port}", "--num-actors", "2", "--envs-per-actor", "2",
+                     log=alog)
+        assert learner.wait(120) == 0, tail(llog) + tail(alog)
+        last = read_metrics(logdir)[-1]
+        assert last["learner_steps"] > 0 and last["trajectories_received"] > 0
+        kids = descendants(actors.pid)
+        assert len(kids) == 2
+        actors.send_signal(signal.SIGTERM)
+        assert actors.wait(10) == 0
+        assert gone(kids, 2.0)
+    finally:
+        stop(learner)
+        if actors is not None:
+            stop(actors)

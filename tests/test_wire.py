@@ -1,0 +1,176 @@
+"""The wire format: round trips, a message built by hand from docs/protocol.md, and every rejection reason."""
+
+import lz4.block
+import msgpack
+import numpy as np
+import pytest
+from helpers import random_arrays
+
+from impala_async import wire
+from impala_async.spec import TrajectorySpec
+
+
+def empty_dest(spec: TrajectorySpec) -> dict[str, np.ndarray]:
+    return {f.name: np.full(f.shape, 0xAB if f.dtype == np.uint8 else -7, f.dtype) for f in spec.fields}
+
+
+def decode_all(decoder, data):
+    msg = decoder.parse(data)
+    out = []
+    for i in range(msg.n):
+        dest = empty_dest(decoder.spec)
+        decoder.decode_into(msg, i, dest)
+        out.append(dest)
+    return msg, out
+
+
+@pytest.mark.parametrize("codec", wire.CODECS)
+@pytest.mark.parametrize("spec_name", ["cartpole_spec", "atari_spec"])
+def test_round_trip(codec, spec_name, request):
+    spec = request.getfixturevalue(spec_name)
+    arrays = random_arrays(spec, 3, seed=1)
+    data = wire.encode_trajectories(spec, actor_id="host/1/ab", seq=7, policy_version=3, arrays=arrays,
+                                    episodes=[(12.5, 40), (3, 2)], codec=codec, sent_at_ns=123)
+    msg, trajs = decode_all(wire.TrajectoryDecoder(spec), data)
+    assert (msg.actor_id, msg.seq, msg.policy_version, msg.n, msg.sent_at_ns) == ("host/1/ab", 7, 3, 3, 123)
+    assert msg.episodes == [[12.5, 40], [3.0, 2]]
+    for i, dest in enumerate(trajs):
+        for name, a in arrays.items():
+            np.testing.assert_array_equal(dest[name], a[i], err_msg=name)
+
+
+def handmade_message(spec: TrajectorySpec, arrays, **override) -> dict:
+    """Built from docs/protocol.md alone: msgpack map, LZ4 block with a 4-byte little-endian size prefix."""
+    fields = {}
+    for f in spec.fields:
+        a = arrays[f.name].astype(f.dtype)
+        fields[f.name] = {"dtype": f.dtype.str, "shape": list(f.shape), "codec": "lz4",
+                          "data": [len(a[i].tobytes()).to_bytes(4, "little")
+                                   + lz4.block.compress(a[i].tobytes(), store_size=False) for i in range(len(a))]}
+    msg = {"v": 1, "type": "trajectories", "actor": "other-language-actor", "seq": 0, "policy_version": 0,
+           "n": len(arrays["obs"]), "episodes": [], "fields": fields}
+    msg.update(override)
+    return msg
+
+
+def test_handmade_message_is_accepted(cartpole_spec):
+    arrays = random_arrays(cartpole_spec, 2)
+    data = msgpack.packb(handmade_message(cartpole_spec, arrays))
+    _, trajs = decode_all(wire.TrajectoryDecoder(cartpole_spec), data)
+    np.testing.assert_array_equal(trajs[1]["obs"], arrays["obs"][1])
+    np.testing.assert_array_equal(trajs[0]["behaviour_logits"], arrays["behaviour_logits"][0])
+
+
+def parse_reason(spec, data, limits=wire.WireLimits()):
+    with pytest.raises(wire.Rejected) as e:
+        decode_all(wire.TrajectoryDecoder(spec, limits), data)
+    return e.value.reason
+
+
+def test_header_rejections(cartpole_spec):
+    arrays = random_arrays(cartpole_spec, 1)
+    spec = cartpole_spec
+
+    def reason(**override):
+        return parse_reason(spec, msgpack.packb(handmade_message(spec, arrays, **override)))
+
+    assert reason(v=2) == "bad_version"
+    assert reason(v=True) == "bad_version"
+    assert reason(type="weights") == "bad_type"
+    assert reason(actor="") == "bad_header"
+    assert reason(actor="x" * 65) == "bad_header"
+    assert reason(seq=-1) == "bad_header"
+    assert reason(seq=1.5) == "bad_header"
+    assert reason(policy_version="3") == "bad_header"
+    assert reason(n=2) == "bad_field"  # one payload per field, n says two
+    assert reason(n=0) == "bad_header"
+    assert reason(episodes=[[1.0]]) == "bad_header"
+    assert reason(episodes=[[float("nan"), 3]]) == "bad_header"
+    assert reason(extra=1) == "bad_header"
+    msg = handmade_message(spec, arrays)
+    del msg["seq"]
+    assert parse_reason(spec, msgpack.packb(msg)) == "bad_header"
+
+
+def test_field_rejections(cartpole_spec):
+    spec = cartpole_spec
+    arrays = random_arrays(spec, 1)
+
+    def reason(mutate):
+        msg = handmade_message(spec, arrays)
+        mutate(msg["fields"])
+        return parse_reason(spec, msgpack.packb(msg))
+
+    assert reason(lambda f: f.pop("reward")) == "bad_field"
+    assert reason(lambda f: f["obs"].update(dtype="<f8")) == "bad_field"
+    assert reason(lambda f: f["obs"].update(dtype="|O")) == "bad_field"
+    assert reason(lambda f: f["obs"].update(shape=[6, 5])) == "bad_field"
+    assert reason(lambda f: f["obs"].update(codec="zstd")) == "bad_field"
+    assert reason(lambda f: f["obs"].update(data=["not bytes"])) == "bad_field"
+    # LZ4 size prefix disagreeing with the spec: rejected before any decompression.
+    huge = (2**31 - 1).to_bytes(4, "little")
+    assert reason(lambda f: f["obs"].update(data=[huge + f["obs"]["data"][0][4:]])) == "bad_size"
+    # Valid LZ4 of the wrong size, with a truthful prefix ...
+    short = np.zeros(10, np.float32).tobytes()
+    assert reason(lambda f: f["obs"].update(data=[lz4.block.compress(short)])) == "bad_size"
+    # ... and with a lying prefix: the block itself decompresses to too few bytes.
+    nbytes = spec.field_map["obs"].nbytes
+    lying = nbytes.to_bytes(4, "little") + lz4.block.compress(short, store_size=False)
+    assert reason(lambda f: f["obs"].update(data=[lying])) == "bad_lz4"
+    garbage = nbytes.to_bytes(4, "little") + b"\xff" * 40
+    assert reason(lambda f: f["obs"].update(data=[garbage])) == "bad_lz4"
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("reward", np.nan, "nonfinite"), ("behaviour_logits", np.inf, "nonfinite"), ("obs", -np.inf, "nonfinite"),
+    ("truncation_value", np.nan, "nonfinite"), ("action", 2, "bad_action"), ("action", -1, "bad_action"),
+    ("terminated", 2, "bad_flag"), ("truncated", 255, "bad_flag")])
+def test_value_rejections(cartpole_spec, field, value, why):
+    arrays = random_arrays(cartpole_spec, 2)
+    arrays[field][1].flat[0] = value
+    data = wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, arrays=arrays)
+    decoder = wire.TrajectoryDecoder(cartpole_spec)
+    msg = decoder.parse(data)
+    decoder.decode_into(msg, 0, empty_dest(cartpole_spec))  # the other trajectory is fine
+    with pytest.raises(wire.Rejected) as e:
+        decoder.decode_into(msg, 1, empty_dest(cartpole_spec))
+    assert e.value.reason == why
+
+
+def test_limits(cartpole_spec):
+    spec = cartpole_spec
+    arrays = random_arrays(spec, 4)
+    data = wire.encode_trajectories(spec, actor_id="a", seq=0, policy_version=0, arrays=arrays)
+    assert parse_reason(spec, data, wire.WireLimits(max_message_bytes=len(data) - 1)) == "too_large"
+    assert parse_reason(spec, data, wire.WireLimits(max_trajectories_per_message=3)) == "bad_header"
+    eps = [(1.0, 1)] * 5
+    data = wire.encode_trajectories(spec, actor_id="a", seq=0, policy_version=0, arrays=arrays, episodes=eps)
+    assert parse_reason(spec, data, wire.WireLimits(max_episodes_per_message=4)) in ("malformed", "bad_header")
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\x00", b"\xc1", b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff",  # never-used byte, huge array/map
+    b"\x91" * 100_000 + b"\xc0",  # 10^5 levels of nesting
+    msgpack.packb({"v": 1, "type": "trajectories", "x": msgpack.ExtType(1, b"abc")}),  # extension type
+    msgpack.packb({1: 2}),  # non-string map key
+    msgpack.packb([1, 2, 3]),
+    b"\xc6\xff\xff\xff\xff",  # bin32 claiming 4 GiB
+])
+def test_hostile_msgpack(cartpole_spec, data):
+    assert parse_reason(cartpole_spec, data) in ("malformed", "bad_version")
+
+
+def test_weights_round_trip():
+    tensors = {"a.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array([1, 2], np.int64)}
+    info = {"env_id": "CartPole-v1", "spec": {"x": 1}}
+    msg = wire.decode_weights(wire.encode_weights(5, tensors, info), 1 << 20)
+    assert msg.version == 5 and msg.run_info == info
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(msg.tensors[k], v)
+        assert msg.tensors[k].flags.writeable
+    with pytest.raises(wire.Rejected):
+        wire.decode_weights(wire.encode_weights(5, tensors, info), 10)
+    bad = msgpack.packb({"v": 1, "type": "weights", "version": 1, "run": {},
+                         "tensors": {"x": {"dtype": "|O", "shape": [1], "data": b"12345678"}}})
+    with pytest.raises(wire.Rejected):
+        wire.decode_weights(bad, 1 << 20)
