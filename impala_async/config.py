@@ -47,9 +47,13 @@ class LearnerConfig:
     entropy_cost: float = opt(0.001, "weight of the entropy bonus")
     baseline_cost: float = opt(0.5, "weight of the baseline (value) loss")
     reward_clip: float = opt(0.0, "clip rewards to [-x, x] before learning (0: no clipping)")
+    reward_scale: float = opt(0.1, "multiply rewards by this before learning, after clipping (keeps values near "
+                                        "unit scale: CartPole returns of 500 would otherwise make values of ~100)")
+    normalize_advantages: int = opt(0, "1: divide policy-gradient advantages by their batch standard deviation")
     clip_rho_threshold: float = opt(1.0, "V-trace rho-bar (0: no clipping)")
     clip_pg_rho_threshold: float = opt(1.0, "clip of the policy-gradient importance weight (0: no clipping)")
     clip_c_threshold: float = opt(1.0, "V-trace c-bar (0: no clipping)")
+    vtrace_lambda: float = opt(1.0, "V-trace lambda: c_t = lambda * min(c-bar, rho_t); < 1 trades bias for variance")
     # ---- sockets
     listen: str = opt("", "ZeroMQ address trajectories arrive on (PULL; default tcp://127.0.0.1:5555 for "
                           "'learner', a free loopback port for 'train')")
@@ -96,6 +100,7 @@ class LearnerConfig:
                      "clip_pg_rho_threshold", "clip_c_threshold"):
             v = getattr(self, name)
             need(math.isfinite(v) and v >= 0, f"{name} must be a finite number >= 0, got {v}")
+        need(0.0 <= self.vtrace_lambda <= 1.0, "vtrace_lambda must lie in [0, 1]: above 1 the traces explode")
         need(self.baseline_cost > 0, "baseline_cost must be > 0: without a trained baseline V-trace targets are noise")
         need(self.ring_batches >= 3, "ring_batches must be >= 3 (one filling, one training, one waiting); with fewer "
                                      "the receiver and the trainer would wait on each other")

@@ -61,6 +61,7 @@ class Learner:
         rewards = tm("reward").float()
         if cfg.reward_clip > 0:
             rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
+        rewards = rewards * cfg.reward_scale
         truncated = tm("truncated").float()
         done = torch.maximum(tm("terminated").float(), truncated)
         discounts = cfg.discount * (1.0 - done)
@@ -73,8 +74,11 @@ class Learner:
             discounts=discounts, rewards=rewards, values=values[:T], bootstrap_value=values[T],
             clip_rho_threshold=cfg.threshold(cfg.clip_rho_threshold),
             clip_pg_rho_threshold=cfg.threshold(cfg.clip_pg_rho_threshold),
-            clip_c_threshold=cfg.threshold(cfg.clip_c_threshold))
-        pg_loss = -(vt.target_action_log_probs * vt.pg_advantages).mean()
+            clip_c_threshold=cfg.threshold(cfg.clip_c_threshold), lambda_=cfg.vtrace_lambda)
+        advantages = vt.pg_advantages
+        if cfg.normalize_advantages:
+            advantages = advantages / (advantages.std() + 1e-8)
+        pg_loss = -(vt.target_action_log_probs * advantages).mean()
         baseline_loss = 0.5 * (vt.vs - values[:T].float()).pow(2).mean()
         log_probs = F.log_softmax(logits[:T].float(), dim=-1)
         entropy = -(log_probs.exp() * log_probs).sum(-1).mean()

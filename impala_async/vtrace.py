@@ -7,7 +7,8 @@ carry no gradient.
 Definition (the paper's, not the source article's pseudocode, whose backward loop drops ``V(x_s) + delta_s``)::
 
     rho_t   = min(rho_bar, pi(a_t|x_t) / mu(a_t|x_t))
-    c_t     = min(c_bar,   pi(a_t|x_t) / mu(a_t|x_t))
+    c_t     = lambda * min(c_bar, pi(a_t|x_t) / mu(a_t|x_t))      (lambda = 1 in the paper's main text; its
+                                                                    remark 2 allows lambda < 1 for less variance)
     delta_t = rho_t * (r_t + gamma_t * V(x_{t+1}) - V(x_t))
     v_s     = V(x_s) + delta_s + gamma_s * c_s * (v_{s+1} - V(x_{s+1}))          with v_T = V(x_T) = bootstrap
     pg_adv_s = min(rho_pg_bar, pi/mu)_s * (r_s + gamma_s * v_{s+1} - V(x_s))
@@ -54,6 +55,7 @@ def from_importance_weights(
     clip_rho_threshold: float | None = 1.0,
     clip_pg_rho_threshold: float | None = 1.0,
     clip_c_threshold: float | None = 1.0,
+    lambda_: float = 1.0,
 ) -> VTraceReturns:
     """V-trace targets from log importance weights.
 
@@ -66,6 +68,7 @@ def from_importance_weights(
         clip_rho_threshold: rho_bar; ``None`` disables clipping.
         clip_pg_rho_threshold: clip for the importance weight of the policy-gradient advantage; ``None`` disables.
         clip_c_threshold: c_bar (the trace-cutting coefficient); ``None`` disables.
+        lambda_: extra trace discount in [0, 1] (TD(lambda)-style bias-variance trade-off); 1 is plain V-trace.
 
     Returns:
         ``VTraceReturns(vs, pg_advantages)``, both ``[T, ...]`` fp32 without gradient.
@@ -83,7 +86,7 @@ def from_importance_weights(
             t.float() for t in (log_rhos, discounts, rewards, values, bootstrap_value))
         rhos = torch.exp(log_rhos)
         clipped_rhos = _clip(rhos, clip_rho_threshold)
-        cs = _clip(rhos, clip_c_threshold)
+        cs = lambda_ * _clip(rhos, clip_c_threshold)
         values_t_plus_1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)], dim=0)
         deltas = clipped_rhos * (rewards + discounts * values_t_plus_1 - values)
 
@@ -112,6 +115,7 @@ def from_logits(
     clip_rho_threshold: float | None = 1.0,
     clip_pg_rho_threshold: float | None = 1.0,
     clip_c_threshold: float | None = 1.0,
+    lambda_: float = 1.0,
 ) -> VTraceFromLogitsReturns:
     """V-trace for softmax policies.
 
@@ -119,7 +123,7 @@ def from_logits(
         behaviour_policy_logits: ``[T, ..., A]`` logits of mu, as the actor computed them.
         target_policy_logits: ``[T, ..., A]`` logits of pi (the learner's current policy).
         actions: ``[T, ...]`` integer actions taken.
-        discounts, rewards, values, bootstrap_value, clip_*: as in :func:`from_importance_weights`.
+        discounts, rewards, values, bootstrap_value, clip_*, lambda_: as in :func:`from_importance_weights`.
     """
     target_action_log_probs = action_log_probs(target_policy_logits, actions)
     with torch.no_grad():
@@ -128,7 +132,7 @@ def from_logits(
     vtrace = from_importance_weights(
         log_rhos=log_rhos, discounts=discounts, rewards=rewards, values=values, bootstrap_value=bootstrap_value,
         clip_rho_threshold=clip_rho_threshold, clip_pg_rho_threshold=clip_pg_rho_threshold,
-        clip_c_threshold=clip_c_threshold)
+        clip_c_threshold=clip_c_threshold, lambda_=lambda_)
     return VTraceFromLogitsReturns(
         vs=vtrace.vs, pg_advantages=vtrace.pg_advantages, log_rhos=log_rhos,
         behaviour_action_log_probs=behaviour_action_log_probs, target_action_log_probs=target_action_log_probs)

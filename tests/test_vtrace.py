@@ -16,13 +16,13 @@ def _clip(x, threshold):
     return x if threshold is None else np.minimum(x, threshold)
 
 
-def ground_truth(log_rhos, discounts, rewards, values, bootstrap, rho_bar, pg_rho_bar, c_bar):
+def ground_truth(log_rhos, discounts, rewards, values, bootstrap, rho_bar, pg_rho_bar, c_bar, lam=1.0):
     """float64 numpy; arrays [T, ...]; bootstrap [...]."""
     log_rhos, discounts, rewards, values, bootstrap = (
         np.asarray(a, dtype=np.float64) for a in (log_rhos, discounts, rewards, values, bootstrap))
     T = values.shape[0]
     rhos = np.exp(log_rhos)
-    clipped_rhos, cs = _clip(rhos, rho_bar), _clip(rhos, c_bar)
+    clipped_rhos, cs = _clip(rhos, rho_bar), lam * _clip(rhos, c_bar)
     v_next = np.concatenate([values[1:], bootstrap[None]], axis=0)
     deltas = clipped_rhos * (rewards + discounts * v_next - values)
     vs = np.empty_like(values)
@@ -66,6 +66,16 @@ def test_matches_double_sum(shape, clips):
         clip_rho_threshold=clips[0], clip_pg_rho_threshold=clips[1], clip_c_threshold=clips[2])
     assert got.vs.dtype == torch.float32 and got.pg_advantages.dtype == torch.float32
     assert got.vs.shape == shape and got.pg_advantages.shape == shape
+    np.testing.assert_allclose(got.vs.numpy(), want_vs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got.pg_advantages.numpy(), want_pg, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5, 0.95])
+def test_lambda_matches_double_sum(lam):
+    rng = np.random.default_rng(7)
+    inputs = random_inputs(rng, (9, 3))
+    want_vs, want_pg = ground_truth(*inputs, 1.0, 1.0, 1.0, lam)
+    got = vtrace.from_importance_weights(*(torch.tensor(a) for a in inputs), lambda_=lam)
     np.testing.assert_allclose(got.vs.numpy(), want_vs, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got.pg_advantages.numpy(), want_pg, rtol=1e-5, atol=1e-5)
 
