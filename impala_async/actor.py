@@ -38,6 +38,9 @@ class ActorConfig:
     max_weights_bytes: int = 256 << 20
     max_wait_for_weights_s: float = 600.0
     parent_pid: int = 0  # exit when this process goes away (local actors)
+    heartbeat_fd: int = -1  # write end of the supervisor's heartbeat pipe (local actors)
+    heartbeat_interval_s: float = 1.0
+    curve_keys: str = ""  # directory with actor.key_secret and learner.key: connect with CURVE
 
 
 def weights_address(learner: str) -> str:
@@ -56,6 +59,28 @@ class _Stop:
 
     def __call__(self, *_):
         self.requested = True
+
+
+class Heartbeat:
+    """Writes a byte to the supervisor's pipe at most every interval_s; called from every loop of the actor, so that
+    silence means the actor is stuck (or stopped), not merely that some helper thread is alive."""
+
+    def __init__(self, fd: int, interval_s: float):
+        self.fd, self.interval_s = fd, interval_s
+        self.next_at = 0.0
+        if fd >= 0:
+            os.set_blocking(fd, False)
+
+    def __call__(self) -> None:
+        if self.fd < 0:
+            return
+        now = time.monotonic()
+        if now >= self.next_at:
+            self.next_at = now + self.interval_s
+            try:
+                os.write(self.fd, b".")
+            except (BlockingIOError, BrokenPipeError):
+                pass  # a full pipe means the supervisor is behind; a broken one, that it is gone
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -120,27 +145,33 @@ def run(cfg: ActorConfig) -> int:
     actor_id = f"{socket.gethostname()[:32]}/{os.getpid()}/{secrets.token_hex(4)}"
     ctx = zmq.Context(1)
     sub = ctx.socket(zmq.SUB)
+    push = ctx.socket(zmq.PUSH)
+    if cfg.curve_keys:
+        from . import auth
+        keys = auth.load_actor_keys(cfg.curve_keys)
+        auth.make_curve_client(sub, keys)
+        auth.make_curve_client(push, keys)
     sub.setsockopt(zmq.CONFLATE, 1)
     sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_weights_bytes)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(cfg.weights)
-    push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.SNDHWM, cfg.send_hwm_messages)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(cfg.learner)
     try:
-        return _act(cfg, actor_id, sub, push, stop)
+        return _act(cfg, actor_id, sub, push, stop, Heartbeat(cfg.heartbeat_fd, cfg.heartbeat_interval_s))
     finally:
         sub.close(0)
         push.close(0)
         ctx.term()
 
 
-def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, stop: _Stop) -> int:
+def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, stop: _Stop, beat: Heartbeat) -> int:
     deadline = time.monotonic() + cfg.max_wait_for_weights_s
     first = None
     while first is None:
+        beat()
         if stop.requested:
             return 0
         if time.monotonic() > deadline:
@@ -150,6 +181,7 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
     policy = Policy(first)
     spec, run_info = policy.spec, policy.run_info
     T, K = spec.unroll_length, cfg.envs_per_actor
+    per_message = int(run_info.get("max_trajectories_per_message", K)) or K
     seeds = np.random.SeedSequence([cfg.seed, cfg.index]).generate_state(K + 1)
     rng = np.random.default_rng(seeds[K])
     envs = [gym.make(run_info["env_id"], **run_info.get("env_kwargs", {})) for _ in range(K)]
@@ -167,6 +199,7 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
             actions = np.argmax(logits - np.log(-np.log(rng.random(logits.shape))), axis=1)  # Gumbel-max sample
             buf["behaviour_logits"][:, t] = logits
             buf["action"][:, t] = actions
+            beat()
             cut = []
             for k, env in enumerate(envs):
                 o, r, terminated, truncated, _ = env.step(int(actions[k]))
@@ -187,12 +220,14 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
                 for (k, _), value in zip(cut, v, strict=True):
                     buf["truncation_value"][k, t] = value
             buf["obs"][:, t + 1] = obs
-        msg = wire.encode_trajectories(spec, actor_id=actor_id, seq=seq, policy_version=policy.version, arrays=buf,
-                                       episodes=episodes, codec=cfg.codec, sent_at_ns=time.time_ns())
-        if not _send(push, msg, stop):
-            break
-        seq += 1
-        episodes = []
+        for lo in range(0, K, per_message):  # the learner caps trajectories per message
+            part = buf if per_message >= K else {name: a[lo:lo + per_message] for name, a in buf.items()}
+            msg = wire.encode_trajectories(spec, actor_id=actor_id, seq=seq, policy_version=policy.version,
+                                           arrays=part, episodes=episodes, codec=cfg.codec, sent_at_ns=time.time_ns())
+            if not _send(push, msg, stop, beat):
+                break
+            seq += 1
+            episodes = []
         newer = _receive_weights(sub, cfg.max_weights_bytes, 0)
         if newer is not None and newer.version != policy.version:
             policy.load(newer)
@@ -201,9 +236,10 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
     return 0
 
 
-def _send(push: zmq.Socket, msg: bytes, stop: _Stop) -> bool:
+def _send(push: zmq.Socket, msg: bytes, stop: _Stop, beat: Heartbeat) -> bool:
     """Send, waiting (interruptibly) while the learner's queues are full or it is away. False if stopped first."""
     while not stop.requested:
+        beat()
         try:
             push.send(msg, zmq.NOBLOCK, copy=False)
             return True

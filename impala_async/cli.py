@@ -3,6 +3,7 @@
     impala-async train --env CartPole-v1                      learner + local actors, one command
     impala-async learner --listen tcp://0.0.0.0:5555          learner only; prints the addresses actors attach to
     impala-async actor --learner tcp://HOST:5555              actors on another machine
+    impala-async keygen DIR [--name learner|actor]            CurveZMQ key pair for authenticated actors
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ START_MONOTONIC = time.monotonic()  # wall_s in metrics counts from here, before
 import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from .config import LearnerConfig, add_arguments, from_arguments  # noqa: E402
 
@@ -45,7 +47,7 @@ def _run_learner(cfg: LearnerConfig, default_listen: str) -> int:
     import torch
     import uvloop
 
-    from . import wire
+    from . import auth, wire
     from .learn import Learner
     from .procs import ActorProcesses, actor_argv
     from .server import LearnerServer
@@ -55,7 +57,9 @@ def _run_learner(cfg: LearnerConfig, default_listen: str) -> int:
         cfg.listen = cfg.listen or default_listen
         cfg.publish = cfg.publish or _default_publish(cfg.listen)
         cfg.check()
-    except ValueError as e:
+        auth.refuse_insecure(cfg.listen, cfg.publish, bool(cfg.curve_keys), bool(cfg.insecure))
+        keys = auth.load_learner_keys(cfg.curve_keys) if cfg.curve_keys else None
+    except (ValueError, OSError) as e:
         raise SystemExit(f"impala-async: {e}") from None
     if not cfg.logdir:
         cfg.logdir = f"runs/{cfg.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
@@ -67,16 +71,26 @@ def _run_learner(cfg: LearnerConfig, default_listen: str) -> int:
     env = gym.make(cfg.env)
     spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, cfg.unroll_length)
     env.close()
+    cfg.resolve_for(spec.trajectory_nbytes)
     learner = Learner(cfg, spec, device)
     run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": cfg.env, "env_kwargs": {},
-                "spec": spec.to_dict(), "model": learner.model_config.to_dict()}
+                "spec": spec.to_dict(), "model": learner.model_config.to_dict(),
+                "max_trajectories_per_message": cfg.max_trajectories_per_message,
+                "max_message_bytes": cfg.max_message_bytes}
     server: LearnerServer | None = None
     actors = None
     if cfg.local_actors > 0:
+        extra = []
+        if keys is not None:  # local actors get a key pair of their own, admitted for this run only
+            local_dir, keys = auth.local_actor_keys(keys, Path(cfg.logdir) / ".local-actor-keys")
+            extra = ["--curve-keys", str(local_dir)]
         actors = ActorProcesses(
-            lambda i: actor_argv(server.listen_endpoint, server.publish_endpoint, i, seed=cfg.seed,
-                                 envs_per_actor=cfg.envs_per_actor), cfg.local_actors)
-    server = LearnerServer(cfg, learner, spec, run_info, cfg.logdir, start_monotonic=START_MONOTONIC, actors=actors)
+            lambda i, fd: actor_argv(server.listen_endpoint, server.publish_endpoint, i, fd, seed=cfg.seed,
+                                     envs_per_actor=cfg.envs_per_actor, heartbeat_interval_s=cfg.heartbeat_interval_s,
+                                     extra=extra),
+            cfg.local_actors, max_restarts=cfg.max_actor_restarts, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
+    server = LearnerServer(cfg, learner, spec, run_info, cfg.logdir, start_monotonic=START_MONOTONIC, actors=actors,
+                           keys=keys)
     code = uvloop.run(server.serve())
     if code:
         print(f"impala-async: stopped: {server.exit_reason}", file=sys.stderr)
@@ -102,10 +116,14 @@ def cmd_actor(args) -> int:
         return actor.run(actor.ActorConfig(
             learner=args.learner, weights=weights, index=args.index, seed=args.seed,
             envs_per_actor=args.envs_per_actor, codec=args.codec, parent_pid=args.parent_pid,
-            max_wait_for_weights_s=args.max_wait_for_weights_s))
-    procs = ActorProcesses(lambda i: actor_argv(args.learner, weights, args.index + i, seed=args.seed,
-                                                envs_per_actor=args.envs_per_actor,
-                                                extra=["--codec", args.codec]), args.num_actors)
+            max_wait_for_weights_s=args.max_wait_for_weights_s, heartbeat_fd=args.heartbeat_fd,
+            heartbeat_interval_s=args.heartbeat_interval_s, curve_keys=args.curve_keys))
+    extra = ["--codec", args.codec] + (["--curve-keys", args.curve_keys] if args.curve_keys else [])
+    procs = ActorProcesses(
+        lambda i, fd: actor_argv(args.learner, weights, args.index + i, fd, seed=args.seed,
+                                 envs_per_actor=args.envs_per_actor, heartbeat_interval_s=args.heartbeat_interval_s,
+                                 extra=extra),
+        args.num_actors, heartbeat_timeout_s=args.heartbeat_timeout_s)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
@@ -115,6 +133,17 @@ def cmd_actor(args) -> int:
         procs.check()
         time.sleep(0.2)
     procs.stop(5.0)
+    return 0
+
+
+def cmd_keygen(args) -> int:
+    from . import auth
+
+    try:
+        public, secret = auth.keygen(args.directory, args.name)
+    except (FileExistsError, ValueError) as e:
+        raise SystemExit(f"impala-async: {e}") from None
+    print(f"wrote {public} (public: share it) and {secret} (secret, mode 0600: keep it here)")
     return 0
 
 
@@ -141,10 +170,24 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--seed", type=int, default=0, help="base seed (default: 0)")
     act.add_argument("--index", type=int, default=0, help="index of the first actor, for seeding (default: 0)")
     act.add_argument("--codec", choices=("lz4", "none"), default="lz4", help="array compression (default: lz4)")
+    act.add_argument("--curve-keys", default="", help="directory with actor.key_secret and learner.key: connect with "
+                                                      "CurveZMQ (see README, Security)")
     act.add_argument("--max-wait-for-weights-s", type=float, default=600.0,
                      help="give up if no weights arrive within this long (default: 600)")
+    act.add_argument("--heartbeat-interval-s", type=float, default=1.0,
+                     help="actors report that they are alive this often (default: 1)")
+    act.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
+                     help="with --num-actors > 1: replace an actor silent for this long (default: 10)")
     act.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
+    act.add_argument("--heartbeat-fd", type=int, default=-1, help=argparse.SUPPRESS)
     act.set_defaults(func=cmd_actor)
+    keygen = sub.add_parser("keygen", help="write a CurveZMQ key pair", description=(
+        "Write DIR/NAME.key (public) and DIR/NAME.key_secret (mode 0600). The learner needs its pair named "
+        "'learner' and the actors' public keys in DIR/allowed/; an actor needs its pair named 'actor' and the "
+        "learner's learner.key. See README, Security."))
+    keygen.add_argument("directory", help="where to write the key files (created with mode 0700)")
+    keygen.add_argument("--name", default="learner", help="file name stem: learner or actor (default: learner)")
+    keygen.set_defaults(func=cmd_keygen)
     return p
 
 

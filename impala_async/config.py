@@ -12,6 +12,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+AUTO_SCRATCH_BYTES = 64 << 20  # decoded bytes of one message at most, when max_trajectories_per_message is auto
+
 
 def opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
@@ -59,9 +61,13 @@ class LearnerConfig:
                           "'learner', a free loopback port for 'train')")
     publish: str = opt("", "ZeroMQ address weights go out on (PUB; default: the listen port + 1)")
     receive_hwm_messages: int = opt(8, "ZMQ_RCVHWM: messages queued per connected actor before it must wait")
+    curve_keys: str = opt("", "directory with learner.key_secret and allowed/*.key: CurveZMQ on both sockets, only "
+                              "actors whose public key is in allowed/ get in (see README, Security)")
+    insecure: int = opt(0, "1: allow binding a non-loopback address without --curve-keys")
     # ---- limits and flow control
     max_message_bytes: int = opt(16 << 20, "largest trajectory message accepted (ZMQ_MAXMSGSIZE)")
-    max_trajectories_per_message: int = opt(256, "most trajectories in one message")
+    max_trajectories_per_message: int = opt(0, "most trajectories in one message (0: auto, 256 or as many as fit "
+                                                "in 64 MiB decoded, whichever is fewer; sizes the decode scratch)")
     max_episodes_per_message: int = opt(4096, "most episode records in one message")
     max_actor_id_bytes: int = opt(64, "longest actor id")
     max_policy_lag: int = opt(100, "drop trajectories whose behaviour policy is more than this many versions old")
@@ -76,6 +82,14 @@ class LearnerConfig:
     checkpoint_interval_s: float = opt(600.0, "write a checkpoint this often (a final one is always written)")
     shutdown_timeout_s: float = opt(10.0, "graceful shutdown gives up and forces exit after this long")
     actor_start_timeout_s: float = opt(120.0, "exit non-zero if no trajectory arrives this long after start")
+    no_data_timeout_s: float = opt(60.0, "exit non-zero if no trajectory arrives for this long once data has flowed")
+    heartbeat_interval_s: float = opt(1.0, "local actors report that they are alive this often")
+    heartbeat_timeout_s: float = opt(10.0, "replace a local actor silent (hung, stopped) for this long")
+    max_actor_restarts: int = opt(10, "restarts of one local actor before it is given up")
+    checkpoint_keep: int = opt(3, "checkpoints kept in logdir (older ones deleted)")
+    # ---- modes
+    ingest_only: int = opt(0, "1: decode into the ring and release batches without training (load tests)")
+    overlap_copies: int = opt(1, "CUDA: copy batch k+1 to the GPU on its own stream while batch k trains (0: serial)")
 
     def check(self) -> LearnerConfig:
         """Raise ValueError naming the field and the failure it would cause."""
@@ -87,9 +101,6 @@ class LearnerConfig:
         need(self.total_env_steps > 0, "total_env_steps must be > 0: the run would end before it starts")
         need(self.num_actors >= -1, "num_actors must be >= 0, or -1 for one per CPU core but one")
         need(self.envs_per_actor >= 1, "envs_per_actor must be >= 1: an actor without environments sends nothing")
-        need(self.envs_per_actor <= self.max_trajectories_per_message,
-             "envs_per_actor must be <= max_trajectories_per_message: every unroll of an actor goes in one message, "
-             "which the learner would reject")
         need(self.unroll_length >= 1, "unroll_length must be >= 1")
         need(self.batch_size >= 1, "batch_size must be >= 1")
         need(self.optimizer in ("adam", "rmsprop"), f"optimizer must be adam or rmsprop, got {self.optimizer!r}")
@@ -108,13 +119,17 @@ class LearnerConfig:
         need(self.max_policy_lag >= 1, "max_policy_lag must be >= 1: 0 would drop everything the actors send")
         need(self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024")
         need(self.receive_hwm_messages >= 1, "receive_hwm_messages must be >= 1")
-        for name in ("max_trajectories_per_message", "max_episodes_per_message", "max_actor_id_bytes",
-                     "max_tracked_actors"):
+        need(self.max_trajectories_per_message >= 0, "max_trajectories_per_message must be >= 0 (0: auto)")
+        for name in ("max_episodes_per_message", "max_actor_id_bytes", "max_tracked_actors"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1")
         for name in ("republish_interval_s", "report_interval_s", "checkpoint_interval_s", "shutdown_timeout_s",
-                     "actor_start_timeout_s"):
+                     "actor_start_timeout_s", "no_data_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
             need(getattr(self, name) > 0, f"{name} must be > 0")
         need(self.publish_interval_s >= 0, "publish_interval_s must be >= 0")
+        need(self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s,
+             "heartbeat_timeout_s must exceed twice heartbeat_interval_s, or healthy actors would be killed")
+        need(self.max_actor_restarts >= 0, "max_actor_restarts must be >= 0")
+        need(self.checkpoint_keep >= 1, "checkpoint_keep must be >= 1: the newest checkpoint is the one resume needs")
         try:
             sizes = self.hidden_size_tuple
         except ValueError:
@@ -122,6 +137,11 @@ class LearnerConfig:
         need(len(sizes) >= 1 and all(h >= 1 for h in sizes),
              f"hidden_sizes must be comma-separated positive integers, got {self.hidden_sizes!r}")
         return self
+
+    def resolve_for(self, trajectory_nbytes: int) -> None:
+        """Fill the fields whose default depends on the trajectory size."""
+        if self.max_trajectories_per_message == 0:
+            self.max_trajectories_per_message = min(256, max(1, AUTO_SCRATCH_BYTES // trajectory_nbytes))
 
     @property
     def local_actors(self) -> int:

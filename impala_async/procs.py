@@ -1,7 +1,9 @@
-"""Local actor processes: start, watch, restart with backoff, stop. No asyncio, no learner code.
+"""Local actor processes: start, watch (exit and heartbeat), restart with backoff, stop. No asyncio, no learner code.
 
 Each actor is a fresh interpreter (``python -m impala_async actor ...``), never a fork of the learner: it shares no
-memory, no CUDA context and no locks with it, and it is the same program an actor machine runs.
+memory, no CUDA context and no locks with it, and it is the same program an actor machine runs. Each one gets the
+write end of a pipe and writes a byte to it every ``heartbeat_interval_s`` from its main loop; an actor that stays
+silent for ``heartbeat_timeout_s`` (hung, or stopped with SIGSTOP) is killed and restarted like one that crashed.
 """
 
 from __future__ import annotations
@@ -17,28 +19,34 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("impala_async.procs")
 
+STARTUP_GRACE_S = 30.0  # the first heartbeat may take this long (interpreter start, torch import)
+
 
 @dataclass
 class _Child:
     index: int
     proc: subprocess.Popen | None = None
+    heartbeat_fd: int | None = None
+    last_beat: float = 0.0
+    beats: int = 0
     restarts: int = 0
     restart_at: float = 0.0  # monotonic time of the next (re)start while proc is None
-    started_at: float = 0.0
     exits: list = field(default_factory=list)
 
 
 class ActorProcesses:
-    """``count`` actor processes; ``argv(index)`` gives the command line of actor ``index``."""
+    """``count`` actor processes; ``argv(index, heartbeat_fd)`` gives the command line of actor ``index``."""
 
-    def __init__(self, argv: Callable[[int], list[str]], count: int, *, max_restarts: int = 10,
-                 backoff_s: float = 1.0, max_backoff_s: float = 30.0):
+    def __init__(self, argv: Callable[[int, int], list[str]], count: int, *, max_restarts: int = 10,
+                 heartbeat_timeout_s: float = 10.0, backoff_s: float = 1.0, max_backoff_s: float = 30.0):
         self._argv = argv
         self._children = [_Child(i) for i in range(count)]
         self.max_restarts = max_restarts
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.restarts_total = 0
+        self.replaced_silent = 0
         self.gave_up: list[int] = []
 
     def __len__(self):
@@ -52,50 +60,78 @@ class ActorProcesses:
             self._spawn(c)
 
     def _spawn(self, c: _Child) -> None:
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        # Own session: a Ctrl-C in the terminal reaches only the learner, which then stops actors in order.
-        c.proc = subprocess.Popen(self._argv(c.index), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-        c.started_at = time.monotonic()
+        try:
+            # Own session: a Ctrl-C in the terminal reaches only the learner, which then stops actors in order.
+            c.proc = subprocess.Popen(self._argv(c.index, write_fd), env=env, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, pass_fds=(write_fd,))
+        finally:
+            os.close(write_fd)
+        c.heartbeat_fd = read_fd
+        c.last_beat = time.monotonic() + STARTUP_GRACE_S  # the first beat may take a while
+        c.beats = 0
+
+    def _read_beats(self, c: _Child, now: float) -> None:
+        try:
+            data = os.read(c.heartbeat_fd, 4096)
+        except BlockingIOError:
+            return
+        if data:
+            c.beats += len(data)
+            c.last_beat = now
 
     def alive(self) -> int:
         return sum(1 for c in self._children if c.proc is not None and c.proc.poll() is None)
 
+    def all_given_up(self) -> bool:
+        return bool(self._children) and len(self.gave_up) == len(self._children)
+
     def check(self) -> None:
-        """Reap exited actors and restart them with exponential backoff, up to max_restarts each."""
+        """Reap exited actors, replace silent ones, restart with exponential backoff up to max_restarts each."""
         now = time.monotonic()
         for c in self._children:
             if c.proc is not None:
+                self._read_beats(c, now)
                 code = c.proc.poll()
                 if code is None:
-                    continue
-                c.exits.append(code)
-                c.proc = None
-                if c.restarts >= self.max_restarts:
-                    log.error("actor %d exited with code %s; restarted %d times already, giving up",
-                              c.index, code, c.restarts)
-                    self.gave_up.append(c.index)
-                    c.restart_at = float("inf")
-                    continue
-                delay = min(self.max_backoff_s, self.backoff_s * 2 ** c.restarts)
-                log.warning("actor %d exited with code %s; restarting in %.1f s", c.index, code, delay)
-                c.restart_at = now + delay
+                    if now - c.last_beat > self.heartbeat_timeout_s:
+                        log.warning("actor %d (pid %d) silent for %.1f s (hung or stopped): killing it",
+                                    c.index, c.proc.pid, now - c.last_beat)
+                        self.replaced_silent += 1
+                        c.proc.kill()
+                        c.proc.wait()
+                        code = c.proc.returncode
+                    else:
+                        continue
+                self._reaped(c, code, now)
             elif now >= c.restart_at:
                 c.restarts += 1
                 self.restarts_total += 1
                 self._spawn(c)
 
-    def replace(self, index: int, why: str) -> None:
-        """Kill actor ``index`` (hung or stopped); check() restarts it."""
-        c = self._children[index]
-        if c.proc is not None and c.proc.poll() is None:
-            log.warning("actor %d (pid %d) %s: killing it", index, c.proc.pid, why)
-            c.proc.kill()
+    def _reaped(self, c: _Child, code: int, now: float) -> None:
+        c.exits.append(code)
+        c.proc = None
+        os.close(c.heartbeat_fd)
+        c.heartbeat_fd = None
+        if c.restarts >= self.max_restarts:
+            log.error("actor %d exited with code %s; restarted %d times already, giving up", c.index, code, c.restarts)
+            self.gave_up.append(c.index)
+            c.restart_at = float("inf")
+            return
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** c.restarts)
+        log.warning("actor %d exited with code %s; restarting in %.1f s", c.index, code, delay)
+        c.restart_at = now + delay
 
     def stop(self, timeout_s: float) -> None:
         """SIGTERM every actor, wait up to timeout_s, SIGKILL what is left, reap everything."""
         procs = [c.proc for c in self._children if c.proc is not None]
         for c in self._children:
-            c.proc, c.restart_at = None, float("inf")
+            if c.heartbeat_fd is not None:
+                os.close(c.heartbeat_fd)
+            c.proc, c.heartbeat_fd, c.restart_at = None, None, float("inf")
         for p in procs:
             if p.poll() is None:
                 try:
@@ -117,7 +153,9 @@ class ActorProcesses:
                 c.proc.kill()
 
 
-def actor_argv(learner: str, weights: str, index: int, *, seed: int, envs_per_actor: int, extra=()) -> list[str]:
+def actor_argv(learner: str, weights: str, index: int, heartbeat_fd: int, *, seed: int, envs_per_actor: int,
+               heartbeat_interval_s: float = 1.0, extra=()) -> list[str]:
     return [sys.executable, "-m", "impala_async", "actor", "--learner", learner, "--weights", weights,
             "--index", str(index), "--seed", str(seed), "--envs-per-actor", str(envs_per_actor),
-            "--parent-pid", str(os.getpid()), *extra]
+            "--parent-pid", str(os.getpid()), "--heartbeat-fd", str(heartbeat_fd),
+            "--heartbeat-interval-s", str(heartbeat_interval_s), *extra]

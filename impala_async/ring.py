@@ -1,11 +1,12 @@
-"""Preallocated ring of trajectory slots, filled one trajectory at a time and consumed one batch at a time.
+"""Preallocated ring of trajectory slots, filled a message (one or more trajectories) at a time and consumed one
+batch at a time.
 
 Pure: torch, numpy and threading only. Storage is allocated once: for every field of the spec one tensor
 ``[num_batches, batch_size, *field.shape]`` (pinned when asked, for asynchronous host-to-device copies). A *batch slot*
 ``k`` is the contiguous block ``storage[k]``, ``[B, *field.shape]`` per field, so a full batch goes to training as a
 view, with no gather and no allocation.
 
-Life of a batch slot: FREE -> FILLING (the receiver decodes trajectories into its rows, one by one) -> READY (queued
+Life of a batch slot: FREE -> FILLING (the receiver decodes messages into its next free rows) -> READY (queued
 for training) -> TRAINING (handed out by :meth:`get`) -> FREE (after :meth:`release`). One thread writes (the
 receiver), one thread reads (the trainer).
 
@@ -50,9 +51,8 @@ class TrajectoryRing:
                                 pin_memory=pin_memory)
             for f in spec.fields}
         arrays = {name: t.numpy() for name, t in self.tensors.items()}
-        # Per-slot numpy views, made once: the hot path only indexes this list.
-        self._slots = [{name: a[k, r] for name, a in arrays.items()}
-                       for k in range(num_batches) for r in range(batch_size)]
+        # numpy views [B, *shape] of each batch slot, made once: the hot path only slices them.
+        self._views = [{name: a[k] for name, a in arrays.items()} for k in range(num_batches)]
         self._versions = np.zeros((num_batches, batch_size), np.int64)
         self._arrival_ns = np.zeros((num_batches, batch_size), np.int64)
         self._cond = threading.Condition()
@@ -72,24 +72,29 @@ class TrajectoryRing:
 
     # ----------------------------------------------------------------------------------------------- writer side
     def writable(self) -> bool:
-        """True if :meth:`slot` can be filled now."""
+        """True if rows can be filled now."""
         if self._filling is None:
             with self._cond:
                 if self._free:
                     self._filling, self._row = self._free.popleft(), 0
         return self._filling is not None
 
-    def slot(self) -> dict[str, np.ndarray]:
-        """numpy views (``field.shape`` each) of the next free row. Only valid while :meth:`writable` is True;
-        fill it and :meth:`commit`, or just leave it (a failed decode): the next call returns the same row."""
-        return self._slots[self._filling * self.batch_size + self._row]
+    def room(self) -> int:
+        """Rows that can be written now, all in the current batch slot (0 when not writable)."""
+        return self.batch_size - self._row if self.writable() else 0
 
-    def commit(self, policy_version: int, arrival_ns: int) -> None:
-        """The row returned by :meth:`slot` now holds a valid trajectory."""
+    def rows(self, n: int) -> dict[str, np.ndarray]:
+        """numpy views ``[n, *field.shape]`` (contiguous) of the next ``n`` free rows; ``n <= room()``. Fill them and
+        :meth:`commit`, or leave them (a rejected message): the next call returns the same rows."""
+        r = self._row
+        return {name: a[r:r + n] for name, a in self._views[self._filling].items()}
+
+    def commit(self, n: int, policy_version: int, arrival_ns: int) -> None:
+        """The ``n`` rows returned by :meth:`rows` now hold valid trajectories."""
         k, r = self._filling, self._row
-        self._versions[k, r] = policy_version
-        self._arrival_ns[k, r] = arrival_ns
-        self._row = r + 1
+        self._versions[k, r:r + n] = policy_version
+        self._arrival_ns[k, r:r + n] = arrival_ns
+        self._row = r + n
         if self._row < self.batch_size:
             return
         with self._cond:
@@ -103,10 +108,6 @@ class TrajectoryRing:
             else:
                 self._filling = None
             self._cond.notify_all()
-
-    def pending_rows(self) -> int:
-        """Rows filled in the current, incomplete batch slot."""
-        return self._row if self._filling is not None else 0
 
     # ----------------------------------------------------------------------------------------------- reader side
     def get(self, timeout_s: float, min_policy_version: int | None = None) -> Batch | None:

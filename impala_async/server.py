@@ -2,16 +2,15 @@
 
 Life: startup (bind sockets, start the training thread, start local actors) -> main loop (receive, publish, report,
 supervise) -> graceful shutdown (stop intake, stop training, final checkpoint, stop actors, close sockets) -> forced
-shutdown if that takes longer than ``shutdown_timeout_s`` or a second Ctrl-C arrives.
+exit if that takes longer than ``shutdown_timeout_s`` or a second Ctrl-C arrives.
 
-Threads: the event loop owns every socket. The training thread owns the model and optimizer; it takes full batches
-from the ring, trains, and hands encoded weights back to the loop with ``call_soon_threadsafe``.
+Threads: the event loop owns every socket and the ingest path (:mod:`ingest`). The training thread (:mod:`trainer`)
+owns the model and optimizer; it hands encoded weights back to the loop with ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
 import signal
@@ -27,58 +26,52 @@ import zmq.asyncio
 
 from . import checkpoint, wire
 from .config import LearnerConfig
+from .ingest import Histogram, Ingest
 from .learn import RHO_BIN_EDGES, Learner
 from .metrics import MetricsWriter, Progress
 from .procs import ActorProcesses
 from .ring import TrajectoryRing
 from .spec import TrajectorySpec
+from .trainer import Trainer
 
 log = logging.getLogger("impala_async.server")
 
-MAX_DRAIN_MESSAGES = 256  # messages handled per wake-up before yielding to other tasks
+MAX_DRAIN_MESSAGES = 256  # messages handled per wake-up before yielding to other tasks ...
 MAX_DRAIN_S = 0.005  # ... or this much time
+LOOP_LAG_PROBE_S = 0.01
 
 
 class LearnerServer:
     def __init__(self, cfg: LearnerConfig, learner: Learner, spec: TrajectorySpec, run_info: dict, logdir: Path,
-                 *, start_monotonic: float, actors: ActorProcesses | None = None, resumed: dict | None = None):
+                 *, start_monotonic: float, actors: ActorProcesses | None = None, resumed: dict | None = None,
+                 keys=None):
+        """``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP authentication."""
         self.cfg, self.learner, self.spec, self.run_info = cfg, learner, spec, run_info
+        self.keys = keys
         self.logdir = Path(logdir)
         self.device = learner.device
         self.actors = actors
         self.t0 = start_monotonic
         self.ring = TrajectoryRing(spec, cfg.batch_size, cfg.ring_batches, pin_memory=self.device.type == "cuda",
                                    drop_when_full=cfg.when_full == "drop_oldest")
-        self.decoder = wire.TrajectoryDecoder(spec, wire.WireLimits(
-            max_message_bytes=cfg.max_message_bytes, max_trajectories_per_message=cfg.max_trajectories_per_message,
-            max_episodes_per_message=cfg.max_episodes_per_message, max_actor_id_bytes=cfg.max_actor_id_bytes))
-        self.steps_per_trajectory = spec.unroll_length
-        # Counters (event-loop thread unless noted).
-        self.policy_version = 0  # written by the training thread
-        self.env_steps = 0  # steps in accepted trajectories
-        self.trajectories_received = 0
-        self.messages_received = 0
-        self.bytes_received = 0
-        self.rejected = collections.Counter()
-        self.dropped_stale_arrival = 0
-        self.episodes = 0
-        self.returns: collections.deque = collections.deque(maxlen=100)
-        self.lengths: collections.deque = collections.deque(maxlen=100)
+        self.trainer = Trainer(learner, self.ring, max_policy_lag=cfg.max_policy_lag, ingest_only=bool(cfg.ingest_only),
+                               overlap_copies=bool(cfg.overlap_copies), on_update=self._on_update,
+                               after_update=self._after_update, on_exit=self._on_trainer_exit)
+        self.ingest = Ingest(cfg, spec, self.ring, lambda: self.trainer.policy_version,
+                             identities=keys is not None)
         self.wall_offset_s = 0.0
         if resumed:
-            self._restore_counters(resumed)
-        self._prev_report = (start_monotonic, self.env_steps)  # (time, env_steps) of the last metrics line
-        self._last_seq: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._pending: tuple[wire.TrajectoryMessage, int, int] | None = None  # (message, next index, arrival ns)
-        self._last_data_at = time.monotonic()
-        self._first_data_at: float | None = None
+            self._restore(resumed)
+        self.loop_lag_s = Histogram()
+        self.stage_s = {"receive": 0.0}
+        self._prev = self._snapshot(start_monotonic)  # counters at the previous metrics line
         # Shared with the training thread.
         self._stats_lock = threading.Lock()
         self._stats: list[dict] = []
         self._lags: list[tuple[int, float, int]] = []
-        self._train_stop = threading.Event()
-        self._trainer_error: BaseException | None = None
+        self._last_publish = self._last_checkpoint = time.monotonic()
         self._weights: bytes | None = None
+        self.auth = None
         self.exit_code = 0
         self.exit_reason = ""
 
@@ -89,8 +82,8 @@ class LearnerServer:
         self._room = asyncio.Event()
         self.ring.on_release = lambda: self._loop.call_soon_threadsafe(self._room.set)
         self._signals = 0
-        self._startup()
         try:
+            self._startup()
             await self._main()
         finally:
             await self._shutdown()
@@ -100,13 +93,14 @@ class LearnerServer:
         cfg = self.cfg
         self.ctx = zmq.asyncio.Context(1)
         self.pull = self.ctx.socket(zmq.PULL)
+        self.pub = self.ctx.socket(zmq.PUB)
         self.pull.setsockopt(zmq.RCVHWM, cfg.receive_hwm_messages)
         self.pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.bind(cfg.listen)
-        self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.SNDHWM, 2)
-        self.pub.setsockopt(zmq.LINGER, 0)
+        for s in (self.pull, self.pub):
+            s.setsockopt(zmq.LINGER, 0)
+        self._secure_sockets()
+        self.pull.bind(cfg.listen)
         self.pub.bind(cfg.publish)
         self.listen_endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self.publish_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -115,19 +109,29 @@ class LearnerServer:
             self._loop.add_signal_handler(sig, self._on_signal, sig)
         self.metrics = MetricsWriter(self.logdir / "metrics.jsonl")
         self.progress = Progress()
-        self._publish_now()
-        self._trainer = threading.Thread(target=self._train_loop, name="trainer", daemon=True)
-        self._trainer.start()
-        log.info("learner: trajectories in on %s, weights out on %s, logdir %s, device %s",
-                 self.listen_endpoint, self.publish_endpoint, self.logdir, self.device)
+        self._publish(self._encode_weights())
+        self.trainer.start()
+        log.info("learner: trajectories in on %s, weights out on %s, logdir %s, device %s%s",
+                 self.listen_endpoint, self.publish_endpoint, self.logdir, self.device,
+                 ", ingest only" if self.cfg.ingest_only else "")
         print(f"impala-async learner listening: --learner {self.listen_endpoint} --weights {self.publish_endpoint}",
               flush=True)
         if self.actors is not None:
             self.actors.start()
 
+    def _secure_sockets(self) -> None:
+        """CurveZMQ on both sockets and a ZAP authenticator admitting only the allowed keys (see auth.py)."""
+        if self.keys is None:
+            return
+        from . import auth
+        self.auth = auth.start_authenticator(self.ctx, self.keys)  # before bind: no window without ZAP
+        for s in (self.pull, self.pub):
+            auth.make_curve_server(s, self.keys)
+        log.info("CURVE on: %d allowed actor key(s)", len(self.keys.allowed))
+
     async def _main(self) -> None:
-        tasks = [asyncio.create_task(c) for c in
-                 (self._receive_loop(), self._republish_loop(), self._report_loop(), self._watch_loop())]
+        tasks = [asyncio.create_task(c) for c in (self._receive_loop(), self._republish_loop(), self._report_loop(),
+                                                  self._watch_loop(), self._loop_lag_loop())]
         stop = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for t in done:
@@ -146,11 +150,12 @@ class LearnerServer:
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
+        name = signal.Signals(sig).name
         if self._signals == 1:
-            log.info("%s: shutting down (again to force)", signal.Signals(sig).name)
-            self.request_stop(signal.Signals(sig).name, 0)
+            log.info("%s: shutting down (again to force)", name)
+            self.request_stop(name, 0)
         else:
-            self._force_exit(f"second {signal.Signals(sig).name}")
+            self._force_exit(f"second {name}")
 
     def _force_exit(self, why: str) -> None:
         log.error("forced exit: %s", why)
@@ -159,16 +164,18 @@ class LearnerServer:
         os._exit(130)
 
     async def _shutdown(self) -> None:
+        if not hasattr(self, "ctx"):
+            return
         timer = self._loop.call_later(self.cfg.shutdown_timeout_s, self._force_exit, "shutdown timeout")
         try:
-            self._train_stop.set()  # intake already stopped: the receive task is cancelled
-            self.ring.close()
-            await self._loop.run_in_executor(None, self._trainer.join, self.cfg.shutdown_timeout_s)
-            if self._trainer_error is None:
+            # Intake is already stopped (the receive task is cancelled); mirror the startup from here.
+            stopped = await self._loop.run_in_executor(None, self.trainer.stop, self.cfg.shutdown_timeout_s)
+            if stopped and self.trainer.error is None and hasattr(self, "metrics"):
                 path = await self._loop.run_in_executor(None, self.save_checkpoint)
                 log.info("final checkpoint: %s", path)
-            self._report()
-            self.progress.close()
+            if hasattr(self, "metrics"):
+                self._report()
+                self.progress.close()
             if self.actors is not None:
                 await self._loop.run_in_executor(None, self.actors.stop, max(1.0, self.cfg.shutdown_timeout_s / 2))
         finally:
@@ -176,16 +183,22 @@ class LearnerServer:
                 self._loop.remove_signal_handler(sig)
             self.pull.close(0)
             self.pub.close(0)
+            if self.auth is not None:
+                from . import auth
+                auth.stop_authenticator(self.auth)
             self.ctx.term()
-            self.metrics.close()
+            if hasattr(self, "metrics"):
+                self.metrics.close()
             timer.cancel()
         log.info("learner stopped: %s", self.exit_reason)
 
     # --------------------------------------------------------------------------------------------------- intake
     async def _receive_loop(self) -> None:
-        pull, sync = self.pull, self._pull_sync
+        pull, sync, ingest = self.pull, self._pull_sync, self.ingest
+        user_ids = self.keys is not None
+        recv_s = 0.0
         while True:
-            if self._pending is not None and not self._continue_pending():
+            if not ingest.continue_pending():
                 self._room.clear()
                 if not self.ring.writable():  # the trainer may have released a slot meanwhile
                     try:
@@ -197,122 +210,57 @@ class LearnerServer:
                 continue
             deadline = time.monotonic() + MAX_DRAIN_S
             for _ in range(MAX_DRAIN_MESSAGES):
+                t0 = time.perf_counter()
                 try:
                     frame = sync.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._handle(frame.buffer)
-                if self._pending is not None or time.monotonic() > deadline:
+                recv_s += time.perf_counter() - t0
+                if frame.more:
+                    self._discard_multipart(sync)
+                    continue
+                ingest.handle(frame.buffer, frame.get("User-Id") if user_ids else None)
+                if ingest.pending is not None or time.monotonic() > deadline:
                     break
+            self.stage_s["receive"] = recv_s
             await asyncio.sleep(0)
 
-    def _handle(self, buf) -> None:
-        self.messages_received += 1
-        self.bytes_received += len(buf)
-        try:
-            msg = self.decoder.parse(buf)
-            version = self.policy_version
-            if msg.policy_version > version:
-                raise wire.Rejected("future_version", f"policy version {msg.policy_version} > learner's {version}")
-            last = self._last_seq.get(msg.actor_id)
-            if last is not None and msg.seq <= last:
-                raise wire.Rejected("replay", f"actor {msg.actor_id!r} seq {msg.seq} <= {last}")
-        except wire.Rejected as e:
-            self._reject(e)
-            return
-        self._last_seq[msg.actor_id] = msg.seq
-        self._last_seq.move_to_end(msg.actor_id)
-        if len(self._last_seq) > self.cfg.max_tracked_actors:
-            self._last_seq.popitem(last=False)
-        for ret, length in msg.episodes:
-            self.returns.append(ret)
-            self.lengths.append(length)
-        self.episodes += len(msg.episodes)
-        if version - msg.policy_version > self.cfg.max_policy_lag:
-            self.dropped_stale_arrival += msg.n
-            return
-        self._pending = (msg, 0, time.monotonic_ns())
-        self._continue_pending()
+    def _discard_multipart(self, sync: zmq.Socket) -> None:
+        """The protocol has one frame per message: drop the rest of a multipart message (already in memory)."""
+        parts = 1
+        while sync.getsockopt(zmq.RCVMORE):
+            sync.recv(copy=False)
+            parts += 1
+        self.ingest.reject_reason("multipart", f"a message of {parts} frames; the protocol allows 1")
 
-    def _continue_pending(self) -> bool:
-        """Decode what fits of the pending message into the ring. True when it is done."""
-        msg, i, arrival = self._pending
-        ring = self.ring
-        while i < msg.n:
-            if not ring.writable():
-                self._pending = (msg, i, arrival)
-                return False
-            try:
-                self.decoder.decode_into(msg, i, ring.slot())
-            except wire.Rejected as e:
-                self._reject(e)
-            else:
-                ring.commit(msg.policy_version, arrival)
-                self.trajectories_received += 1
-                self.env_steps += self.steps_per_trajectory
-                now = time.monotonic()
-                self._last_data_at = now
-                if self._first_data_at is None:
-                    self._first_data_at = now
-            i += 1
-        self._pending = None
-        return True
+    # ------------------------------------------------------------------------------- training-thread callbacks
+    def _on_update(self, version: int, stats: dict, lag) -> None:
+        with self._stats_lock:
+            self._stats.append(stats)
+            self._lags.append((int(lag.min()), float(lag.mean()), int(lag.max())))
 
-    def _reject(self, e: wire.Rejected) -> None:
-        n = self.rejected[e.reason]
-        self.rejected[e.reason] = n + 1
-        if n < 10 or (n & (n - 1)) == 0:  # rate-limited: the first ten, then at powers of two
-            log.warning("rejected a message (%d so far for this reason): %s", n + 1, e)
+    def _after_update(self) -> bool:
+        now = time.monotonic()
+        if self.cfg.ingest_only:
+            return False
+        if now - self._last_publish >= self.cfg.publish_interval_s:
+            self._last_publish = now
+            self._loop.call_soon_threadsafe(self._publish, self._encode_weights())
+        if now - self._last_checkpoint >= self.cfg.checkpoint_interval_s:
+            self._last_checkpoint = now
+            self.save_checkpoint()
+        if self.learner.env_steps_trained >= self.cfg.total_env_steps:
+            self._loop.call_soon_threadsafe(self.request_stop, "total_env_steps reached", 0)
+            return True
+        return False
 
-    # ------------------------------------------------------------------------------------------------- training
-    def _train_loop(self) -> None:
-        try:
-            torch.set_num_threads(max(1, torch.get_num_threads()))
-            cuda = self.device.type == "cuda"
-            copy_stream = torch.cuda.Stream(self.device) if cuda else None
-            last_pub = last_ckpt = time.monotonic()
-            while not self._train_stop.is_set():
-                batch = self.ring.get(0.1, min_policy_version=self.policy_version - self.cfg.max_policy_lag)
-                if batch is None:
-                    continue
-                if cuda:
-                    with torch.cuda.stream(copy_stream):
-                        tensors = {k: v.to(self.device, non_blocking=True) for k, v in batch.tensors.items()}
-                        copied = torch.cuda.Event()
-                        copied.record(copy_stream)
-                    torch.cuda.current_stream(self.device).wait_event(copied)
-                else:
-                    tensors = batch.tensors
-                lag = self.policy_version - batch.policy_versions
-                stats = self.learner.step(tensors)
-                if cuda:
-                    copied.synchronize()  # the pinned slot may be refilled only once its copy is complete
-                self.ring.release(batch)
-                self.policy_version += 1
-                with self._stats_lock:
-                    self._stats.append(stats)
-                    self._lags.append((int(lag.min()), float(lag.mean()), int(lag.max())))
-                now = time.monotonic()
-                if now - last_pub >= self.cfg.publish_interval_s:
-                    last_pub = now
-                    self._loop.call_soon_threadsafe(self._publish, self._encode_weights())
-                if now - last_ckpt >= self.cfg.checkpoint_interval_s:
-                    last_ckpt = now
-                    self.save_checkpoint()
-                if self.learner.env_steps_trained >= self.cfg.total_env_steps:
-                    self._loop.call_soon_threadsafe(self.request_stop, "total_env_steps reached", 0)
-                    break
-        except BaseException as e:  # reported by the event loop; the run exits non-zero
-            self._trainer_error = e
-            log.exception("training thread failed")
-            self._loop.call_soon_threadsafe(self.request_stop, f"training failed: {e!r}", 1)
+    def _on_trainer_exit(self, error: BaseException | None) -> None:
+        if error is not None:
+            self._loop.call_soon_threadsafe(self.request_stop, f"training failed: {error!r}", 1)
 
     def _encode_weights(self) -> bytes:
         state = {k: v.detach().to("cpu").numpy() for k, v in self.learner.model.state_dict().items()}
-        return wire.encode_weights(self.policy_version, state, self.run_info)
-
-    def _publish_now(self) -> None:
-        self._publish(self._encode_weights())
+        return wire.encode_weights(self.trainer.policy_version, state, self.run_info)
 
     def _publish(self, data: bytes) -> None:
         self._weights = data
@@ -329,15 +277,37 @@ class LearnerServer:
 
     # -------------------------------------------------------------------------------------------- supervision
     async def _watch_loop(self) -> None:
+        cfg = self.cfg
         while True:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.25)
             if self.actors is not None:
                 self.actors.check()
-            if self._first_data_at is None and time.monotonic() - self.t0 > self.cfg.actor_start_timeout_s:
-                self.request_stop(f"no trajectory arrived within actor_start_timeout_s="
-                                  f"{self.cfg.actor_start_timeout_s:g} s of start", 2)
+                if self.actors.all_given_up():
+                    self.request_stop(f"every local actor failed {cfg.max_actor_restarts + 1} times; "
+                                      f"see the actor errors above", 3)
+            now = time.monotonic()
+            last = self.ingest.last_data_at
+            if last is None and now - self.t0 > cfg.actor_start_timeout_s:
+                self.request_stop(f"no trajectory arrived within actor_start_timeout_s={cfg.actor_start_timeout_s:g} s "
+                                  f"of start: are actors running and pointed at {self.listen_endpoint}?", 2)
+            elif last is not None and now - last > cfg.no_data_timeout_s:
+                self.request_stop(f"no trajectory arrived for no_data_timeout_s={cfg.no_data_timeout_s:g} s: "
+                                  f"every actor is gone or stuck", 2)
+
+    async def _loop_lag_loop(self) -> None:
+        """Event-loop responsiveness: how late a short sleep wakes up."""
+        while True:
+            t0 = time.monotonic()
+            await asyncio.sleep(LOOP_LAG_PROBE_S)
+            self.loop_lag_s.add(max(0.0, time.monotonic() - t0 - LOOP_LAG_PROBE_S))
 
     # ---------------------------------------------------------------------------------------------- reporting
+    def _snapshot(self, now: float) -> dict:
+        ing = self.ingest
+        return {"t": now, "env_steps": ing.env_steps, "trajectories": ing.trajectories_received,
+                "bytes": ing.bytes_received, "decoded": ing.decoded_bytes, "batches": self.trainer.batches,
+                "stages": {**self.stage_s, **ing.stage_s, **self.trainer.stage_s}}
+
     async def _report_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.report_interval_s)
@@ -345,52 +315,70 @@ class LearnerServer:
 
     def _report(self) -> None:
         now = time.monotonic()
-        prev = self._prev_report
-        dt = max(1e-9, now - prev[0])
+        cur, prev = self._snapshot(now), self._prev
+        dt = max(1e-9, now - prev["t"])
         with self._stats_lock:
             stats, self._stats = self._stats, []
             lags, self._lags = self._lags, []
+        ing, ring = self.ingest, self.ring
+        d_traj = cur["trajectories"] - prev["trajectories"]
         rec = {
             "wall_s": round(self.wall_offset_s + now - self.t0, 3),
-            "env_steps": self.env_steps,
+            "env_steps": ing.env_steps,
             "env_steps_trained": self.learner.env_steps_trained,
             "learner_steps": self.learner.updates,
-            "sps": round((self.env_steps - prev[1]) / dt, 1),
-            "episode_return_mean": float(np.mean(self.returns)) if self.returns else None,
-            "episode_length_mean": float(np.mean(self.lengths)) if self.lengths else None,
-            "episodes": self.episodes,
-            "policy_version": self.policy_version,
+            "sps": round((cur["env_steps"] - prev["env_steps"]) / dt, 1),
+            "episode_return_mean": float(np.mean(ing.returns)) if ing.returns else None,
+            "episode_length_mean": float(np.mean(ing.lengths)) if ing.lengths else None,
+            "episodes": ing.episodes,
+            "policy_version": self.trainer.policy_version,
             "policy_lag_min": min(lag[0] for lag in lags) if lags else None,
             "policy_lag_avg": round(float(np.mean([lag[1] for lag in lags])), 2) if lags else None,
             "policy_lag_max": max(lag[2] for lag in lags) if lags else None,
-            "trajectories_received": self.trajectories_received,
-            "trajectories_rejected": sum(self.rejected.values()),
-            "trajectories_dropped": self.ring.dropped_full + self.ring.dropped_stale + self.dropped_stale_arrival,
-            "dropped_full": self.ring.dropped_full,
-            "dropped_stale": self.ring.dropped_stale + self.dropped_stale_arrival,
-            "messages_received": self.messages_received,
-            "bytes_received": self.bytes_received,
-            "ring_ready_batches": self.ring.ready_batches(),
+            "trajectories_received": ing.trajectories_received,
+            "trajectories_rejected": ing.trajectories_rejected,
+            "messages_rejected": sum(ing.rejected.values()),
+            "trajectories_dropped": ring.dropped_full + ring.dropped_stale + ing.dropped_stale,
+            "dropped_full": ring.dropped_full,
+            "dropped_stale": ring.dropped_stale + ing.dropped_stale,
+            "messages_received": ing.messages_received,
+            "bytes_received": ing.bytes_received,
+            "trajectories_per_s": round(d_traj / dt, 1),
+            "batches_per_s": round((cur["batches"] - prev["batches"]) / dt, 2),
+            "wire_mb_per_s": round((cur["bytes"] - prev["bytes"]) / dt / 1e6, 3),
+            "decoded_mb_per_s": round((cur["decoded"] - prev["decoded"]) / dt / 1e6, 3),
+            "latency_p50_ms": _ms(ing.latency_s.quantile(0.5)),
+            "latency_p99_ms": _ms(ing.latency_s.quantile(0.99)),
+            "loop_lag_p99_ms": _ms(self.loop_lag_s.quantile(0.99)),
+            "stage_s_per_trajectory": {k: (v - prev["stages"][k]) / d_traj if d_traj else None
+                                       for k, v in cur["stages"].items()},
+            "ring_ready_batches": ring.ready_batches(),
         }
+        if self.actors is not None:
+            rec["actors_alive"] = self.actors.alive()
+            rec["actor_restarts"] = self.actors.restarts_total
         for reason in wire.REJECT_REASONS:
-            rec[f"rejected_{reason}"] = self.rejected[reason]
+            rec[f"rejected_{reason}"] = ing.rejected[reason]
         for name in ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "lr"):
             rec[name] = float(np.mean([s[name] for s in stats])) if stats else None
         rec["rho_hist"] = np.sum([s["rho_hist"] for s in stats], axis=0).tolist() if stats else None
         rec["rho_hist_edges"] = list(RHO_BIN_EDGES)
-        self._prev_report = (now, self.env_steps)
+        ing.latency_s.reset()
+        self.loop_lag_s.reset()
+        self._prev = cur
         self.metrics.write(rec)
         self.progress.show(rec)
 
     # -------------------------------------------------------------------------------------------- checkpoints
     def checkpoint_state(self) -> dict:
+        ing = self.ingest
         return {
             "learner": self.learner.state_dict(),
-            "policy_version": self.policy_version,
-            "env_steps": self.env_steps,
-            "episodes": self.episodes,
-            "returns": list(self.returns),
-            "lengths": list(self.lengths),
+            "policy_version": self.trainer.policy_version,
+            "env_steps": ing.env_steps,
+            "episodes": ing.episodes,
+            "returns": list(ing.returns),
+            "lengths": list(ing.lengths),
             "wall_s": self.wall_offset_s + time.monotonic() - self.t0,
             "config": asdict(self.cfg),
             "spec": self.spec.to_dict(),
@@ -398,13 +386,19 @@ class LearnerServer:
         }
 
     def save_checkpoint(self) -> Path:
-        return checkpoint.save(self.logdir, self.checkpoint_state(), self.learner.env_steps_trained)
+        return checkpoint.save(self.logdir, self.checkpoint_state(), self.learner.env_steps_trained,
+                               keep=self.cfg.checkpoint_keep)
 
-    def _restore_counters(self, state: dict) -> None:
-        self.policy_version = int(state["policy_version"])
-        self.env_steps = int(state["env_steps"])
-        self.episodes = int(state["episodes"])
-        self.returns.extend(state["returns"])
-        self.lengths.extend(state["lengths"])
+    def _restore(self, state: dict) -> None:
+        ing = self.ingest
+        self.trainer.policy_version = int(state["policy_version"])
+        ing.env_steps = int(state["env_steps"])
+        ing.episodes = int(state["episodes"])
+        ing.returns.extend(state["returns"])
+        ing.lengths.extend(state["lengths"])
         self.wall_offset_s = float(state["wall_s"])
         torch.set_rng_state(state["torch_rng"])
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

@@ -8,6 +8,7 @@ unroll length and ``obs`` holds ``T + 1`` observations (the last one bootstraps 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -27,7 +28,7 @@ class FieldSpec:
     shape: tuple[int, ...]  # per trajectory
     check: str
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
@@ -67,7 +68,7 @@ class TrajectorySpec:
         if any(d < 1 for d in self.obs_shape):
             raise ValueError(f"obs_shape must have positive dimensions, got {self.obs_shape}")
 
-    @property
+    @cached_property
     def fields(self) -> tuple[FieldSpec, ...]:
         T, A = self.unroll_length, self.num_actions
         obs_check = CHECK_FINITE if self.obs_dtype == "float32" else CHECK_NONE
@@ -82,11 +83,11 @@ class TrajectorySpec:
             FieldSpec("behaviour_logits", np.dtype("<f4"), (T, A), CHECK_FINITE),
         )
 
-    @property
+    @cached_property
     def field_map(self) -> dict[str, FieldSpec]:
         return {f.name: f for f in self.fields}
 
-    @property
+    @cached_property
     def trajectory_nbytes(self) -> int:
         return sum(f.nbytes for f in self.fields)
 

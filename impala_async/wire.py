@@ -38,6 +38,7 @@ _MAX_UINT63 = (1 << 63) - 1
 # Every reason a message can be rejected for; metrics count them as ``rejected_<reason>``.
 REJECT_REASONS = (
     "malformed",  # not msgpack, or msgpack beyond the caps (lengths, nesting, extension types)
+    "multipart",  # more than one ZeroMQ frame
     "too_large",  # over max_message_bytes
     "bad_version",  # unknown protocol version
     "bad_type",  # unknown message type
@@ -49,8 +50,8 @@ REJECT_REASONS = (
     "bad_action",  # action index outside [0, num_actions)
     "bad_flag",  # terminated/truncated not 0 or 1
     "future_version",  # policy version newer than the learner's
-    "stale",  # policy version older than max_policy_lag versions
     "replay",  # (actor id, sequence number) not newer than the last one seen
+    "bad_identity",  # with CURVE: no authenticated key name on the message
 )
 
 
@@ -82,11 +83,6 @@ class TrajectoryMessage(NamedTuple):
     sent_at_ns: int | None
 
 
-def lz4_bound(nbytes: int) -> int:
-    """Largest LZ4 block (LZ4_compressBound) for ``nbytes`` of input."""
-    return nbytes + nbytes // 255 + 16
-
-
 def _compress(a: np.ndarray, codec: str) -> bytes:
     if codec == CODEC_LZ4:
         return lz4.block.compress(a, store_size=True)
@@ -96,7 +92,8 @@ def _compress(a: np.ndarray, codec: str) -> bytes:
 def encode_trajectories(spec: TrajectorySpec, *, actor_id: str, seq: int, policy_version: int,
                         arrays: dict[str, np.ndarray], episodes=(), codec: str = CODEC_LZ4,
                         sent_at_ns: int | None = None) -> bytes:
-    """Encode ``n`` trajectories; ``arrays[name]`` is ``[n, *field.shape]`` for every field of ``spec``."""
+    """Encode ``n`` trajectories; ``arrays[name]`` is ``[n, *field.shape]`` for every field of ``spec``.
+    Each field travels as one payload holding all ``n`` trajectories (trajectory-major)."""
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
     n = len(arrays["obs"])
@@ -105,8 +102,7 @@ def encode_trajectories(spec: TrajectorySpec, *, actor_id: str, seq: int, policy
         a = np.ascontiguousarray(arrays[f.name], dtype=f.dtype)
         if a.shape != (n, *f.shape):
             raise ValueError(f"field {f.name!r}: shape {a.shape}, expected {(n, *f.shape)}")
-        fields[f.name] = {"dtype": f.wire_dtype, "shape": list(f.shape), "codec": codec,
-                          "data": [_compress(a[i], codec) for i in range(n)]}
+        fields[f.name] = {"dtype": f.wire_dtype, "shape": list(f.shape), "codec": codec, "data": _compress(a, codec)}
     msg = {"v": PROTOCOL_VERSION, "type": TYPE_TRAJECTORIES, "actor": actor_id, "seq": seq,
            "policy_version": policy_version, "n": n,
            "episodes": [[float(r), int(length)] for r, length in episodes], "fields": fields}
@@ -119,6 +115,9 @@ def _is_int(x) -> bool:
     return type(x) is int  # bool is an int subclass and is not accepted
 
 
+FINITE_CHUNK = 1 << 16  # elements per finiteness check (bounds the zeros vector it dots with)
+
+
 class TrajectoryDecoder:
     """Validates trajectory messages against a spec and decodes them into caller-provided arrays."""
 
@@ -127,13 +126,15 @@ class TrajectoryDecoder:
         self.limits = limits
         self._fields = spec.fields
         self._expected = {f.name: (f.wire_dtype, list(f.shape)) for f in self._fields}
-        largest = max(f.nbytes for f in self._fields)
+        # decode_into's per-field plan: (name, bytes per trajectory, check, its argument).
+        self._plan = [(f.name, f.nbytes, f.check,
+                       np.zeros(min(FINITE_CHUNK, limits.max_trajectories_per_message * int(np.prod(f.shape))),
+                                f.dtype) if f.check == CHECK_FINITE else
+                       spec.num_actions if f.check == CHECK_ACTION else None) for f in self._fields]
         self._unpack = dict(
             raw=False, strict_map_key=True, use_list=True,
-            max_str_len=max(256, limits.max_actor_id_bytes),
-            max_bin_len=lz4_bound(largest) + 4,
-            max_array_len=max(limits.max_trajectories_per_message, limits.max_episodes_per_message, 16),
-            max_map_len=16, max_ext_len=0)
+            max_str_len=max(256, limits.max_actor_id_bytes), max_bin_len=limits.max_message_bytes,
+            max_array_len=max(limits.max_episodes_per_message, 16), max_map_len=16, max_ext_len=0)
 
     def parse(self, buf) -> TrajectoryMessage:
         """Check everything but the payloads' contents. Raises :class:`Rejected`."""
@@ -181,57 +182,64 @@ class TrajectoryDecoder:
             got = sorted(fields) if type(fields) is dict else type(fields).__name__
             raise Rejected("bad_field", f"fields {got}, expected {sorted(self._expected)}")
         out = {}
-        for f in self._fields:
-            entry = fields[f.name]
+        for name, per_trajectory, _, _ in self._plan:
+            entry = fields[name]
             if type(entry) is not dict or entry.keys() != _FIELD_KEYS:
-                raise Rejected("bad_field", f"field {f.name!r} must be a map with keys {sorted(_FIELD_KEYS)}")
-            dtype, shape = self._expected[f.name]
+                raise Rejected("bad_field", f"field {name!r} must be a map with keys {sorted(_FIELD_KEYS)}")
+            dtype, shape = self._expected[name]
             if entry["dtype"] != dtype or entry["shape"] != shape:
-                raise Rejected("bad_field", f"field {f.name!r}: dtype {entry['dtype']!r} shape {entry['shape']!r}, "
+                raise Rejected("bad_field", f"field {name!r}: dtype {entry['dtype']!r} shape {entry['shape']!r}, "
                                             f"expected {dtype!r} {shape!r}")
             codec, data = entry["codec"], entry["data"]
             if codec not in CODECS:
-                raise Rejected("bad_field", f"field {f.name!r}: codec {codec!r} not in {CODECS}")
-            if type(data) is not list or len(data) != n or any(type(p) is not bytes for p in data):
-                raise Rejected("bad_field", f"field {f.name!r}: data must be a list of n={n} binary payloads")
-            for p in data:
-                if codec == CODEC_NONE:
-                    if len(p) != f.nbytes:
-                        raise Rejected("bad_size", f"field {f.name!r}: {len(p)} bytes, spec says {f.nbytes}")
-                elif len(p) < 5 or int.from_bytes(p[:4], "little") != f.nbytes:
-                    claimed = int.from_bytes(p[:4], "little") if len(p) >= 4 else None
-                    raise Rejected("bad_size", f"field {f.name!r}: LZ4 header claims {claimed} bytes, "
-                                               f"spec says {f.nbytes}")
-            out[f.name] = (codec, data)
+                raise Rejected("bad_field", f"field {name!r}: codec {codec!r} not in {CODECS}")
+            if type(data) is not bytes:
+                raise Rejected("bad_field", f"field {name!r}: data must be binary")
+            nbytes = n * per_trajectory
+            if codec == CODEC_NONE:
+                if len(data) != nbytes:
+                    raise Rejected("bad_size", f"field {name!r}: {len(data)} bytes, spec says {nbytes}")
+            elif len(data) < 5 or int.from_bytes(data[:4], "little") != nbytes:
+                claimed = int.from_bytes(data[:4], "little") if len(data) >= 4 else None
+                raise Rejected("bad_size", f"field {name!r}: LZ4 header claims {claimed} bytes, spec says {nbytes}")
+            out[name] = (codec, data)
         return out
 
-    def decode_into(self, msg: TrajectoryMessage, i: int, dest: dict[str, np.ndarray]) -> None:
-        """Decode trajectory ``i`` of ``msg`` into ``dest[name]`` (C-contiguous, exactly the field's shape and dtype),
-        then check its values. On :class:`Rejected` the destination holds garbage and must not be used."""
-        for f in self._fields:
-            codec, data = msg.fields[f.name]
-            out = dest[f.name]
-            payload = data[i]
+    def decode_into(self, msg: TrajectoryMessage, dest: dict[str, np.ndarray]) -> None:
+        """Decode all ``n`` trajectories of ``msg`` into ``dest[name]``: C-contiguous arrays of the field's dtype
+        holding exactly ``n`` trajectories (``[n, *field.shape]`` or flat). Then check the values. On
+        :class:`Rejected` the destination holds garbage and must not be used."""
+        for name, _, check, aux in self._plan:
+            codec, data = msg.fields[name]
+            out = dest[name]
             if codec == CODEC_LZ4:
+                # parse() checked the 4-byte size header against the spec, and ``out`` has exactly that size:
+                # cramjam reads the header, writes at most len(out) bytes and returns how many it wrote.
                 try:
-                    written = cramjam.lz4.decompress_block_into(memoryview(payload)[4:], out, output_len=f.nbytes)
+                    written = cramjam.lz4.decompress_block_into(data, out)
                 except Exception as e:  # cramjam.DecompressionError on corrupt or oversized blocks
-                    raise Rejected("bad_lz4", f"field {f.name!r}: {e}") from None
-                if written != f.nbytes:
-                    raise Rejected("bad_lz4", f"field {f.name!r}: decompressed to {written} bytes, "
-                                              f"spec says {f.nbytes}")
+                    raise Rejected("bad_lz4", f"field {name!r}: {e}") from None
+                if written != out.nbytes:
+                    raise Rejected("bad_lz4", f"field {name!r}: decompressed to {written} bytes, "
+                                              f"spec says {out.nbytes}")
             else:
-                out.reshape(-1).view(np.uint8)[:] = np.frombuffer(payload, dtype=np.uint8)
-            check = f.check
+                out.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+            # Value checks: one pass each, no temporaries.
             if check == CHECK_FINITE:
-                if not np.isfinite(out).all():
-                    raise Rejected("nonfinite", f"field {f.name!r} holds NaN or infinity")
+                flat = out.reshape(-1)
+                for i in range(0, flat.size, aux.size):
+                    chunk = flat[i:i + aux.size]
+                    if chunk.dot(aux[:chunk.size]) != 0:  # NaN or +-inf times 0 is NaN; finite x gives 0
+                        raise Rejected("nonfinite", f"field {name!r} holds NaN or infinity")
             elif check == CHECK_ACTION:
-                if out.min() < 0 or out.max() >= self.spec.num_actions:
-                    raise Rejected("bad_action", f"action outside [0, {self.spec.num_actions})")
+                if _MAX_U32(out.reshape(-1).view(np.uint32)) >= aux:  # a negative int32 is a huge uint32
+                    raise Rejected("bad_action", f"action outside [0, {aux})")
             elif check == CHECK_FLAG:
-                if out.max() > 1:
-                    raise Rejected("bad_flag", f"field {f.name!r} holds values other than 0 and 1")
+                if out.tobytes().translate(None, b"\x00\x01"):
+                    raise Rejected("bad_flag", f"field {name!r} holds values other than 0 and 1")
+
+
+_MAX_U32 = np.maximum.reduce
 
 
 # ---------------------------------------------------------------------------------------------------- weights

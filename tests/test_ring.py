@@ -11,12 +11,11 @@ from impala_async import wire
 from impala_async.ring import TrajectoryRing
 
 
-def fill(ring, version, value=0.0):
-    assert ring.writable()
-    slot = ring.slot()
-    for a in slot.values():
+def fill(ring, version, value=0.0, n=1):
+    assert ring.room() >= n
+    for a in ring.rows(n).values():
         a[...] = value
-    ring.commit(version, 0)
+    ring.commit(n, version, 0)
 
 
 def test_batches_are_views_of_preallocated_storage(cartpole_spec):
@@ -25,16 +24,16 @@ def test_batches_are_views_of_preallocated_storage(cartpole_spec):
     arrays = random_arrays(cartpole_spec, 2)
     decoder = wire.TrajectoryDecoder(cartpole_spec)
     msg = decoder.parse(wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=4, arrays=arrays))
-    for i in range(2):
-        decoder.decode_into(msg, i, ring.slot())
-        ring.commit(4, 100 + i)
+    assert ring.room() == 2
+    decoder.decode_into(msg, ring.rows(2))
+    ring.commit(2, 4, 100)
     batch = ring.get(0.1)
     assert batch is not None and batch.index == 0
     for name, t in batch.tensors.items():
         assert t.shape == (2, *cartpole_spec.field_map[name].shape)
         assert t.data_ptr() == ptrs[name]  # slot 0 of the storage: no copy, no allocation
         np.testing.assert_array_equal(t.numpy(), arrays[name])
-    assert batch.policy_versions.tolist() == [4, 4] and batch.arrival_ns.tolist() == [100, 101]
+    assert batch.policy_versions.tolist() == [4, 4] and batch.arrival_ns.tolist() == [100, 100]
     assert {name: t.data_ptr() for name, t in ring.tensors.items()} == ptrs
 
 
@@ -86,6 +85,17 @@ def test_get_wakes_on_commit_and_close(cartpole_spec):
     ring.close()
     t.join(5)
     assert not t.is_alive() and got[1] is None
+
+
+def test_rows_are_contiguous_and_room_counts_down(cartpole_spec):
+    ring = TrajectoryRing(cartpole_spec, batch_size=4, num_batches=3)
+    fill(ring, 1, n=3)
+    assert ring.room() == 1
+    rows = ring.rows(1)
+    assert all(a.flags.c_contiguous and a.shape[0] == 1 for a in rows.values())
+    fill(ring, 2)
+    assert ring.room() == 4  # a new batch slot
+    assert ring.get(0.01).policy_versions.tolist() == [1, 1, 1, 2]
 
 
 def test_rejects_too_few_batches(cartpole_spec):

@@ -10,18 +10,15 @@ from impala_async import wire
 from impala_async.spec import TrajectorySpec
 
 
-def empty_dest(spec: TrajectorySpec) -> dict[str, np.ndarray]:
-    return {f.name: np.full(f.shape, 0xAB if f.dtype == np.uint8 else -7, f.dtype) for f in spec.fields}
+def empty_dest(spec: TrajectorySpec, n: int) -> dict[str, np.ndarray]:
+    return {f.name: np.full((n, *f.shape), 0xAB if f.dtype == np.uint8 else -7, f.dtype) for f in spec.fields}
 
 
 def decode_all(decoder, data):
     msg = decoder.parse(data)
-    out = []
-    for i in range(msg.n):
-        dest = empty_dest(decoder.spec)
-        decoder.decode_into(msg, i, dest)
-        out.append(dest)
-    return msg, out
+    dest = empty_dest(decoder.spec, msg.n)
+    decoder.decode_into(msg, dest)
+    return msg, dest
 
 
 @pytest.mark.parametrize("codec", wire.CODECS)
@@ -31,22 +28,20 @@ def test_round_trip(codec, spec_name, request):
     arrays = random_arrays(spec, 3, seed=1)
     data = wire.encode_trajectories(spec, actor_id="host/1/ab", seq=7, policy_version=3, arrays=arrays,
                                     episodes=[(12.5, 40), (3, 2)], codec=codec, sent_at_ns=123)
-    msg, trajs = decode_all(wire.TrajectoryDecoder(spec), data)
+    msg, dest = decode_all(wire.TrajectoryDecoder(spec), data)
     assert (msg.actor_id, msg.seq, msg.policy_version, msg.n, msg.sent_at_ns) == ("host/1/ab", 7, 3, 3, 123)
     assert msg.episodes == [[12.5, 40], [3.0, 2]]
-    for i, dest in enumerate(trajs):
-        for name, a in arrays.items():
-            np.testing.assert_array_equal(dest[name], a[i], err_msg=name)
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(dest[name], a, err_msg=name)
 
 
 def handmade_message(spec: TrajectorySpec, arrays, **override) -> dict:
     """Built from docs/protocol.md alone: msgpack map, LZ4 block with a 4-byte little-endian size prefix."""
     fields = {}
     for f in spec.fields:
-        a = arrays[f.name].astype(f.dtype)
+        raw = arrays[f.name].astype(f.dtype).tobytes()  # all n trajectories, trajectory-major
         fields[f.name] = {"dtype": f.dtype.str, "shape": list(f.shape), "codec": "lz4",
-                          "data": [len(a[i].tobytes()).to_bytes(4, "little")
-                                   + lz4.block.compress(a[i].tobytes(), store_size=False) for i in range(len(a))]}
+                          "data": len(raw).to_bytes(4, "little") + lz4.block.compress(raw, store_size=False)}
     msg = {"v": 1, "type": "trajectories", "actor": "other-language-actor", "seq": 0, "policy_version": 0,
            "n": len(arrays["obs"]), "episodes": [], "fields": fields}
     msg.update(override)
@@ -56,9 +51,9 @@ def handmade_message(spec: TrajectorySpec, arrays, **override) -> dict:
 def test_handmade_message_is_accepted(cartpole_spec):
     arrays = random_arrays(cartpole_spec, 2)
     data = msgpack.packb(handmade_message(cartpole_spec, arrays))
-    _, trajs = decode_all(wire.TrajectoryDecoder(cartpole_spec), data)
-    np.testing.assert_array_equal(trajs[1]["obs"], arrays["obs"][1])
-    np.testing.assert_array_equal(trajs[0]["behaviour_logits"], arrays["behaviour_logits"][0])
+    _, dest = decode_all(wire.TrajectoryDecoder(cartpole_spec), data)
+    np.testing.assert_array_equal(dest["obs"], arrays["obs"])
+    np.testing.assert_array_equal(dest["behaviour_logits"], arrays["behaviour_logits"])
 
 
 def parse_reason(spec, data, limits=wire.WireLimits()):
@@ -82,7 +77,7 @@ def test_header_rejections(cartpole_spec):
     assert reason(seq=-1) == "bad_header"
     assert reason(seq=1.5) == "bad_header"
     assert reason(policy_version="3") == "bad_header"
-    assert reason(n=2) == "bad_field"  # one payload per field, n says two
+    assert reason(n=2) == "bad_size"  # payloads hold one trajectory, n says two
     assert reason(n=0) == "bad_header"
     assert reason(episodes=[[1.0]]) == "bad_header"
     assert reason(episodes=[[float("nan"), 3]]) == "bad_header"
@@ -106,19 +101,22 @@ def test_field_rejections(cartpole_spec):
     assert reason(lambda f: f["obs"].update(dtype="|O")) == "bad_field"
     assert reason(lambda f: f["obs"].update(shape=[6, 5])) == "bad_field"
     assert reason(lambda f: f["obs"].update(codec="zstd")) == "bad_field"
-    assert reason(lambda f: f["obs"].update(data=["not bytes"])) == "bad_field"
+    assert reason(lambda f: f["obs"].update(data="not bytes")) == "bad_field"
+    assert reason(lambda f: f["obs"].update(data=[f["obs"]["data"]])) == "bad_field"
     # LZ4 size prefix disagreeing with the spec: rejected before any decompression.
     huge = (2**31 - 1).to_bytes(4, "little")
-    assert reason(lambda f: f["obs"].update(data=[huge + f["obs"]["data"][0][4:]])) == "bad_size"
+    assert reason(lambda f: f["obs"].update(data=huge + f["obs"]["data"][4:])) == "bad_size"
     # Valid LZ4 of the wrong size, with a truthful prefix ...
     short = np.zeros(10, np.float32).tobytes()
-    assert reason(lambda f: f["obs"].update(data=[lz4.block.compress(short)])) == "bad_size"
+    assert reason(lambda f: f["obs"].update(data=lz4.block.compress(short))) == "bad_size"
     # ... and with a lying prefix: the block itself decompresses to too few bytes.
     nbytes = spec.field_map["obs"].nbytes
     lying = nbytes.to_bytes(4, "little") + lz4.block.compress(short, store_size=False)
-    assert reason(lambda f: f["obs"].update(data=[lying])) == "bad_lz4"
+    assert reason(lambda f: f["obs"].update(data=lying)) == "bad_lz4"
     garbage = nbytes.to_bytes(4, "little") + b"\xff" * 40
-    assert reason(lambda f: f["obs"].update(data=[garbage])) == "bad_lz4"
+    assert reason(lambda f: f["obs"].update(data=garbage)) == "bad_lz4"
+    # Raw bytes of the wrong length.
+    assert reason(lambda f: f["reward"].update(codec="none", data=b"\0" * 7)) == "bad_size"
 
 
 @pytest.mark.parametrize("field,value,why", [
@@ -126,15 +124,16 @@ def test_field_rejections(cartpole_spec):
     ("truncation_value", np.nan, "nonfinite"), ("action", 2, "bad_action"), ("action", -1, "bad_action"),
     ("terminated", 2, "bad_flag"), ("truncated", 255, "bad_flag")])
 def test_value_rejections(cartpole_spec, field, value, why):
-    arrays = random_arrays(cartpole_spec, 2)
-    arrays[field][1].flat[0] = value
-    data = wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, arrays=arrays)
+    arrays = random_arrays(cartpole_spec, 3)
     decoder = wire.TrajectoryDecoder(cartpole_spec)
-    msg = decoder.parse(data)
-    decoder.decode_into(msg, 0, empty_dest(cartpole_spec))  # the other trajectory is fine
-    with pytest.raises(wire.Rejected) as e:
-        decoder.decode_into(msg, 1, empty_dest(cartpole_spec))
-    assert e.value.reason == why
+    decode_all(decoder, wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, arrays=arrays))
+    arrays[field][1].flat[-1] = value  # one bad value in the middle trajectory rejects the whole message
+    for codec in wire.CODECS:
+        data = wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, arrays=arrays,
+                                        codec=codec)
+        with pytest.raises(wire.Rejected) as e:
+            decode_all(decoder, data)
+        assert e.value.reason == why
 
 
 def test_limits(cartpole_spec):

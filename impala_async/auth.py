@@ -1,0 +1,368 @@
+"""CurveZMQ encryption and ZAP authentication for the learner's sockets.
+
+Without CURVE, anyone who can reach the learner's ports can push trajectories into training and read the weights.
+With CURVE, both sockets (PULL for trajectories, PUB for weights) are encrypted, and a ZAP authenticator admits only
+the actors whose public keys the learner lists.
+
+Key files are ZeroMQ certificates as written by ``zmq.auth`` (readable by ``zmq.auth.load_certificate``):
+``NAME.key`` holds the public key (shareable), ``NAME.key_secret`` the public and secret key (mode 0600, never
+shared). ``keygen(directory, name)`` writes such a pair.
+
+Learner key directory (``--curve-keys DIR`` on the learner)::
+
+    DIR/learner.key_secret       the learner's own key pair (mode 0600)
+    DIR/learner.key              its public key: copy it to every actor machine
+    DIR/allowed/NAME.key         public key of each admitted actor; NAME (the file stem) is the actor's name
+
+Actor key directory (``--curve-keys DIR`` on an actor machine)::
+
+    DIR/actor.key_secret         this actor machine's key pair (mode 0600)
+    DIR/actor.key                its public key: copy it to the learner as DIR/allowed/NAME.key
+    DIR/learner.key              the learner's public key
+
+Each received message carries the ZAP User-Id of its sender: ``frame.get("User-Id")`` on a frame received with
+``recv(copy=False)`` is the actor's NAME, so the learner can bind actor ids to keys.
+
+Order matters: start the authenticator on the socket's context before binding. libzmq admits any client key when no
+ZAP handler is listening, unless ZAP_ENFORCE_DOMAIN is set; ``make_curve_server`` sets it where libzmq supports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import logging
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+from zmq.auth import load_certificate
+from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.auth.base import Authenticator
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+log = logging.getLogger("impala_async.auth")
+
+ZAP_DOMAIN = "impala-async"
+LEARNER_NAME = "learner"
+ACTOR_NAME = "actor"
+ALLOWED_DIRNAME = "allowed"
+PUBLIC_SUFFIX = ".key"
+SECRET_SUFFIX = ".key_secret"
+Z85_KEY_CHARS = 40  # a 32-byte Curve25519 key in z85
+SECRET_FILE_MODE = 0o600
+KEY_DIR_MODE = 0o700
+PUBLIC_FILE_MODE = 0o644
+KEY_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+_PUBLIC_BANNER = """#   ****  Generated on {now} by impala-async  ****
+#   ZeroMQ CURVE Public Certificate
+#   Copy this file to the other side (see impala_async/auth.py for where it goes).
+
+"""
+_SECRET_BANNER = """#   ****  Generated on {now} by impala-async  ****
+#   ZeroMQ CURVE **Secret** Certificate
+#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.
+
+"""
+
+
+# ------------------------------------------------------------------------------------------------------ key files
+def _certificate_text(banner: str, public: bytes, secret: bytes | None = None) -> str:
+    """The text of a certificate in the format of ``zmq.auth.create_certificates``."""
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    lines = [banner.format(now=now), "metadata\n", "curve\n", f'    public-key = "{public.decode("ascii")}"\n']
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode("ascii")}"\n')
+    return "".join(lines)
+
+
+def _write_new_file(path: Path, text: str, mode: int) -> None:
+    """Create ``path`` with ``mode`` from the first byte on; fail if it exists (O_EXCL, no race)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(text)
+
+
+def keygen(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
+    """Write a new key pair: ``directory/name.key`` (public) and ``directory/name.key_secret`` (mode 0600).
+
+    Creates ``directory`` with mode 0700 if missing. Refuses to overwrite either file (FileExistsError). Returns
+    ``(public_path, secret_path)``.
+    """
+    if not KEY_NAME_PATTERN.fullmatch(name):
+        raise ValueError(f"key name {name!r}: use letters, digits, '.', '_' and '-', starting with a letter or digit")
+    directory = Path(directory)
+    directory.mkdir(mode=KEY_DIR_MODE, parents=True, exist_ok=True)
+    public_path = directory / f"{name}{PUBLIC_SUFFIX}"
+    secret_path = directory / f"{name}{SECRET_SUFFIX}"
+    for path in (public_path, secret_path):
+        if os.path.lexists(path):
+            raise FileExistsError(f"{path} exists; refusing to overwrite a key (delete it first if you mean to "
+                                  f"replace it, and redistribute the new public key)")
+    public, secret = zmq.curve_keypair()
+    _write_new_file(secret_path, _certificate_text(_SECRET_BANNER, public, secret), SECRET_FILE_MODE)
+    try:
+        _write_new_file(public_path, _certificate_text(_PUBLIC_BANNER, public), PUBLIC_FILE_MODE)
+    except BaseException:
+        secret_path.unlink()  # leave no half-written pair behind
+        raise
+    return public_path, secret_path
+
+
+def check_secret_file(path: str | os.PathLike) -> None:
+    """Raise unless ``path`` exists and only its owner may read or write it.
+
+    FileNotFoundError if it is missing; PermissionError (saying ``chmod 600``) if group or others have any access.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"secret key file {path} not found; create the key pair with "
+                                f"impala_async.auth.keygen (see the key layout in impala_async/auth.py)") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"secret key file {path} is not a regular file")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise PermissionError(f"secret key file {path} is accessible by group or others (mode "
+                              f"{stat.S_IMODE(mode):04o}); fix it with: chmod 600 {path}")
+
+
+def _check_z85_key(key: bytes | None, what: str, path: Path) -> bytes:
+    """Return ``key`` if it is a well-formed z85 Curve25519 key; else raise ValueError naming the file."""
+    if key is None:
+        raise ValueError(f"{path} holds no {what}")
+    if len(key) != Z85_KEY_CHARS:
+        raise ValueError(f"{path}: {what} is {len(key)} characters long, not {Z85_KEY_CHARS} (z85)")
+    try:
+        z85.decode(key)
+    except (ValueError, KeyError, struct.error):
+        raise ValueError(f"{path}: {what} is not valid z85") from None
+    return key
+
+
+def _load_key_pair(path: Path) -> tuple[bytes, bytes]:
+    """(public, secret) z85 keys from a secret certificate, after checking its permissions and consistency."""
+    check_secret_file(path)
+    public, secret = load_certificate(path)
+    public = _check_z85_key(public, "public key", path)
+    secret = _check_z85_key(secret, "secret key", path)
+    if zmq.curve_public(secret) != public:
+        raise ValueError(f"{path}: the public key does not belong to the secret key")
+    return public, secret
+
+
+def _load_public_key(path: Path) -> bytes:
+    """The z85 public key of a public certificate; refuses a file that also holds a secret key."""
+    if not path.is_file():
+        raise FileNotFoundError(f"public key file {path} not found")
+    public, secret = load_certificate(path)
+    if secret is not None:
+        raise ValueError(f"{path} contains a secret key; a .key file must hold only the public key (use the "
+                         f"{PUBLIC_SUFFIX} file keygen wrote, not the {SECRET_SUFFIX} file)")
+    return _check_z85_key(public, "public key", path)
+
+
+def _load_allowed(allowed_dir: Path) -> dict[bytes, str]:
+    """Map each ``allowed_dir/NAME.key``'s z85 public key to NAME; refuse a missing or empty directory."""
+    if not allowed_dir.is_dir():
+        raise ValueError(f"{allowed_dir} does not exist: with CURVE the learner admits only actors whose public keys "
+                         f"are in it, so nobody could connect. Copy each actor's actor.key there as NAME.key")
+    allowed: dict[bytes, str] = {}
+    for path in sorted(allowed_dir.glob(f"*{PUBLIC_SUFFIX}")):
+        key, name = _load_public_key(path), path.name[:-len(PUBLIC_SUFFIX)]
+        if key in allowed:
+            raise ValueError(f"{path} holds the same key as {allowed[key]}{PUBLIC_SUFFIX}: one key, one name")
+        allowed[key] = name
+    if not allowed:
+        raise ValueError(f"{allowed_dir} holds no *{PUBLIC_SUFFIX} file: with CURVE the learner admits only actors "
+                         f"whose public keys are there, so nobody could connect. Copy each actor's actor.key there "
+                         f"as NAME.key")
+    return allowed
+
+
+@dataclass(frozen=True)
+class LearnerKeys:
+    """The learner's key pair and the actors it admits (z85 keys; ``allowed`` maps public key -> actor name)."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+    allowed: dict[bytes, str]
+
+
+@dataclass(frozen=True)
+class ActorKeys:
+    """An actor's key pair and the learner's public key (all z85)."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+    server_public: bytes
+
+
+def load_learner_keys(directory: str | os.PathLike) -> LearnerKeys:
+    """Read ``directory/learner.key_secret`` and ``directory/allowed/*.key`` (see the module docstring)."""
+    directory = Path(directory)
+    public, secret = _load_key_pair(directory / f"{LEARNER_NAME}{SECRET_SUFFIX}")
+    return LearnerKeys(public=public, secret=secret, allowed=_load_allowed(directory / ALLOWED_DIRNAME))
+
+
+def load_actor_keys(directory: str | os.PathLike) -> ActorKeys:
+    """Read ``directory/actor.key_secret`` and ``directory/learner.key`` (see the module docstring)."""
+    directory = Path(directory)
+    public, secret = _load_key_pair(directory / f"{ACTOR_NAME}{SECRET_SUFFIX}")
+    server_path = directory / f"{LEARNER_NAME}{PUBLIC_SUFFIX}"
+    if not server_path.is_file():
+        raise FileNotFoundError(f"{server_path} not found: copy the learner's {LEARNER_NAME}{PUBLIC_SUFFIX} there")
+    return ActorKeys(public=public, secret=secret, server_public=_load_public_key(server_path))
+
+
+# --------------------------------------------------------------------------------------------------------- sockets
+def make_curve_server(socket: zmq.Socket, keys: LearnerKeys) -> None:
+    """Make ``socket`` a CURVE server authenticated by ZAP in domain ``impala-async``. Call before bind."""
+    socket.setsockopt(zmq.CURVE_SERVER, 1)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+    socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+    _enforce_zap(socket)
+
+
+def _enforce_zap(socket: zmq.Socket) -> None:
+    """Fail closed when no authenticator runs: by default libzmq then admits every CURVE client key."""
+    option = getattr(zmq, "ZAP_ENFORCE_DOMAIN", None)  # a draft option in libzmq 4.3's header
+    if option is not None:
+        try:
+            socket.setsockopt(option, 1)
+            return
+        except zmq.ZMQError:
+            pass
+    log.warning("this libzmq lacks ZAP_ENFORCE_DOMAIN: any client key is admitted unless the authenticator "
+                "runs; start it before binding and keep it running until the socket is closed")
+
+
+def make_curve_client(socket: zmq.Socket, keys: ActorKeys) -> None:
+    """Make ``socket`` a CURVE client of the learner. Call before connect."""
+    socket.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+
+
+# --------------------------------------------------------------------------------------------------- authenticators
+class _AllowedKeys:
+    """Mixin for pyzmq authenticators: admit exactly ``allowed`` (z85 key -> name) and use the name as User-Id."""
+
+    def _admit(self, allowed: dict[bytes, str]) -> None:
+        self._allowed_names = dict(allowed)
+        self._refused_keys: set[bytes] = set()
+        self.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self)
+
+    def callback(self, domain: str, z85_client_key: bytes) -> bool:
+        """Credentials-provider hook: pyzmq passes the client's key in z85."""
+        if z85_client_key in self._allowed_names:
+            return True
+        if z85_client_key not in self._refused_keys and len(self._refused_keys) < 1000:
+            self._refused_keys.add(z85_client_key)  # clients retry every reconnect interval: warn once per key
+            log.warning("refused a CURVE client with an unlisted public key %s", z85_client_key.decode("ascii"))
+        return False
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        """User-Id of an admitted client: its name. pyzmq passes the raw 32-byte key here, not z85."""
+        return self._allowed_names[z85.encode(client_public_key)]
+
+
+class NamedAsyncioAuthenticator(_AllowedKeys, AsyncioAuthenticator):
+    """AsyncioAuthenticator admitting a fixed set of CURVE keys, with User-Id = the key's name."""
+
+
+class NamedThreadAuthenticator(_AllowedKeys, ThreadAuthenticator):
+    """ThreadAuthenticator admitting a fixed set of CURVE keys, with User-Id = the key's name."""
+
+
+def start_authenticator(context: zmq.Context, keys: LearnerKeys) -> NamedAsyncioAuthenticator:
+    """Start ZAP authentication on ``context`` (a ``zmq.asyncio.Context``) in the running event loop.
+
+    Admits exactly the clients in ``keys.allowed``. Call from a coroutine, before binding the CURVE sockets; one
+    authenticator per context (it binds ``inproc://zeromq.zap.01``). Stop it with ``stop_authenticator``.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError("start_authenticator needs a running event loop: call it from a coroutine, or use "
+                           "start_thread_authenticator for a synchronous context") from None
+    auth = NamedAsyncioAuthenticator(context, log=log.getChild("zap"))
+    auth._admit(keys.allowed)
+    auth.start()
+    return auth
+
+
+def start_thread_authenticator(context: zmq.Context, keys: LearnerKeys) -> NamedThreadAuthenticator:
+    """Like ``start_authenticator``, for a synchronous context: ZAP runs in a background thread."""
+    auth = NamedThreadAuthenticator(context, log=log.getChild("zap"))
+    auth._admit(keys.allowed)
+    auth.start()
+    return auth
+
+
+def stop_authenticator(auth: Authenticator) -> None:
+    """Stop an authenticator from either start function, after closing the CURVE sockets, before ``context.term()``.
+
+    An asyncio authenticator is best stopped at shutdown, as the event loop ends: pyzmq cancels its task and closes
+    the ZAP socket at once, but the task's clean-up runs one or two loop iterations later and removes the loop's reader
+    of the ZAP socket's file descriptor number. A socket that gets that number meanwhile (say, a new authenticator's)
+    silently loses its reader. In a loop that goes on, ``await asyncio.sleep(0)`` twice before creating sockets.
+    """
+    auth.stop()
+
+
+# ------------------------------------------------------------------------------------------------ insecure binding
+def _is_local_address(address: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// on a loopback host (127.0.0.0/8, ::1, localhost)."""
+    transport, sep, rest = address.partition("://")
+    transport = transport.lower()
+    if not sep:
+        return False
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport != "tcp":
+        return False
+    host = rest.rpartition(":")[0].lower()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # '*', a hostname or an interface name: may be reachable from other machines
+
+
+def refuse_insecure(listen: str, publish: str, curve: bool, insecure: bool) -> None:
+    """Raise ValueError if the learner would bind a non-loopback address without CURVE and without ``insecure``."""
+    if curve or insecure:
+        return
+    exposed = [a for a in (listen, publish) if not _is_local_address(a)]
+    if exposed:
+        raise ValueError(
+            f"refusing to bind {' and '.join(exposed)} without CURVE: anyone who can reach it could push "
+            f"trajectories into training and read the weights. Give --curve-keys DIR (keys from "
+            f"impala_async.auth.keygen), or bind to 127.0.0.1, or pass --insecure on a network you trust")
+
+
+def local_actor_keys(keys: LearnerKeys, directory: Path) -> tuple[Path, LearnerKeys]:
+    """A fresh key pair for the actors 'train' starts itself, admitted (as name 'local') for this run only.
+
+    Writes ``directory/actor.key_secret`` (0600) and ``directory/learner.key`` and returns the directory and the
+    learner's keys with the new public key added to ``allowed``. A previous run's local keys are replaced.
+    """
+    directory = Path(directory)
+    for stale in (f"{ACTOR_NAME}{PUBLIC_SUFFIX}", f"{ACTOR_NAME}{SECRET_SUFFIX}", f"{LEARNER_NAME}{PUBLIC_SUFFIX}"):
+        (directory / stale).unlink(missing_ok=True)
+    public_path, _ = keygen(directory, ACTOR_NAME)
+    _write_new_file(directory / f"{LEARNER_NAME}{PUBLIC_SUFFIX}", _certificate_text(_PUBLIC_BANNER, keys.public),
+                    PUBLIC_FILE_MODE)
+    allowed = {**keys.allowed, _load_public_key(public_path): "local"}
+    return directory, LearnerKeys(public=keys.public, secret=keys.secret, allowed=allowed)

@@ -1,0 +1,97 @@
+"""A small Pong-like gymnasium environment with Atari-shaped observations, for the image path without ALE.
+
+``gym.make("impala_async.envs:PongLike-v0")`` imports this module and registers the environment. Observations are 4
+stacked 84x84 greyscale frames (uint8 ``[4, 84, 84]``), the shape of Atari after the usual preprocessing; 6 actions
+as in ALE Pong (NOOP, FIRE, UP, DOWN, UPFIRE, DOWNFIRE). The agent moves the right paddle; a scripted opponent with a
+speed limit moves the left one. A point is +1 when the ball passes the opponent, -1 when it passes the agent; a game
+ends at ``points_to_win`` points for either side.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+SIZE = 84
+PADDLE_H, PADDLE_W, BALL = 12, 2, 2
+BACKGROUND, WALL, PADDLE_AGENT, PADDLE_OPP, BALL_COLOUR = 87, 236, 92, 213, 236
+TOP, BOTTOM = 6, SIZE - 6  # playfield rows between the walls
+AGENT_X, OPP_X = SIZE - 8, 6
+
+
+class PongLike(gym.Env):
+    metadata = {"render_modes": []}
+
+    def __init__(self, points_to_win: int = 5, opponent_speed: float = 1.5, max_episode_steps: int = 5000):
+        self.observation_space = spaces.Box(0, 255, (4, SIZE, SIZE), np.uint8)
+        self.action_space = spaces.Discrete(6)
+        self.points_to_win = points_to_win
+        self.opponent_speed = opponent_speed
+        self.max_episode_steps = max_episode_steps
+        self._background = np.full((SIZE, SIZE), BACKGROUND, np.uint8)
+        self._background[:TOP] = WALL
+        self._background[BOTTOM:] = WALL
+        self._frames = np.zeros((4, SIZE, SIZE), np.uint8)
+
+    def _serve(self, direction: float) -> None:
+        self.ball = np.array([SIZE / 2, SIZE / 2], np.float64)
+        angle = self.np_random.uniform(-0.6, 0.6)
+        self.velocity = np.array([np.sin(angle) * 1.5, direction * np.cos(angle) * 1.5])
+
+    def _draw(self) -> np.ndarray:
+        f = self._background.copy()
+        a, o = int(self.agent_y), int(self.opp_y)
+        f[a:a + PADDLE_H, AGENT_X:AGENT_X + PADDLE_W] = PADDLE_AGENT
+        f[o:o + PADDLE_H, OPP_X:OPP_X + PADDLE_W] = PADDLE_OPP
+        by, bx = int(self.ball[0]), int(self.ball[1])
+        f[by:by + BALL, bx:bx + BALL] = BALL_COLOUR
+        return f
+
+    def _push(self, frame: np.ndarray) -> np.ndarray:
+        self._frames[:-1] = self._frames[1:]
+        self._frames[-1] = frame
+        return self._frames.copy()
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.agent_y = self.opp_y = (TOP + BOTTOM - PADDLE_H) / 2
+        self.score = [0, 0]
+        self.steps = 0
+        self._serve(self.np_random.choice([-1.0, 1.0]))
+        frame = self._draw()
+        self._frames[:] = frame
+        return self._frames.copy(), {}
+
+    def step(self, action):
+        move = {2: -2.0, 3: 2.0, 4: -2.0, 5: 2.0}.get(int(action), 0.0)
+        self.agent_y = float(np.clip(self.agent_y + move, TOP, BOTTOM - PADDLE_H))
+        target = self.ball[0] - PADDLE_H / 2
+        self.opp_y = float(np.clip(self.opp_y + np.clip(target - self.opp_y, -self.opponent_speed,
+                                                        self.opponent_speed), TOP, BOTTOM - PADDLE_H))
+        self.ball += self.velocity
+        if self.ball[0] < TOP or self.ball[0] > BOTTOM - BALL:
+            self.velocity[0] = -self.velocity[0]
+            self.ball[0] = np.clip(self.ball[0], TOP, BOTTOM - BALL)
+        reward = 0.0
+        for paddle_x, paddle_y, side in ((AGENT_X, self.agent_y, 1.0), (OPP_X, self.opp_y, -1.0)):
+            crossing = (side > 0 and self.velocity[1] > 0 and self.ball[1] + BALL >= paddle_x) or \
+                       (side < 0 and self.velocity[1] < 0 and self.ball[1] <= paddle_x + PADDLE_W)
+            if crossing and paddle_y - BALL <= self.ball[0] <= paddle_y + PADDLE_H:
+                offset = (self.ball[0] + BALL / 2 - paddle_y - PADDLE_H / 2) / (PADDLE_H / 2)
+                speed = min(3.0, np.hypot(*self.velocity) * 1.05)
+                along = np.sqrt(max(0.2, 1 - 0.49 * offset ** 2))
+                self.velocity = np.array([offset * speed * 0.7, -side * speed * along])
+        if self.ball[1] < 0:
+            reward, self.score[0] = 1.0, self.score[0] + 1
+            self._serve(1.0)
+        elif self.ball[1] > SIZE - BALL:
+            reward, self.score[1] = -1.0, self.score[1] + 1
+            self._serve(-1.0)
+        self.steps += 1
+        terminated = max(self.score) >= self.points_to_win
+        truncated = self.steps >= self.max_episode_steps and not terminated
+        return self._push(self._draw()), reward, terminated, truncated, {}
+
+
+gym.register(id="PongLike-v0", entry_point=PongLike)

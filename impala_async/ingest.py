@@ -1,0 +1,186 @@
+"""From received bytes to ring slots: validation, replay and staleness checks, counters and stage timings.
+
+No sockets and no asyncio: the server's receive loop hands each message's bytes to :meth:`Ingest.handle`.
+
+A message's ``n`` trajectories are decoded straight into the ring when they fit in the rows left in the batch slot
+being filled (the common case, and always with one trajectory per message); otherwise into a preallocated scratch
+area of ``max_trajectories_per_message`` trajectories, then copied into the ring as rows become free. A message is
+accepted or rejected whole. If the ring has no room (``when_full = wait``) the decoded message stays *pending* and the
+receive loop must call :meth:`Ingest.continue_pending` before reading anything else.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from . import wire
+from .config import LearnerConfig
+from .ring import TrajectoryRing
+from .spec import TrajectorySpec
+
+log = logging.getLogger("impala_async.ingest")
+
+
+class Histogram:
+    """Counts in logarithmic buckets (5% wide) between ``lo`` and ``hi``; constant memory, cheap quantiles."""
+
+    def __init__(self, lo: float = 1e-6, hi: float = 1e3, ratio: float = 1.05):
+        self.lo, self.log_ratio = lo, math.log(ratio)
+        self.counts = np.zeros(int(math.log(hi / lo) / self.log_ratio) + 2, np.int64)
+
+    def add(self, x: float) -> None:
+        i = 0 if x <= self.lo else min(len(self.counts) - 1, int(math.log(x / self.lo) / self.log_ratio) + 1)
+        self.counts[i] += 1
+
+    def quantile(self, q: float) -> float | None:
+        total = int(self.counts.sum())
+        if total == 0:
+            return None
+        i = int(np.searchsorted(np.cumsum(self.counts), q * total))
+        return self.lo * math.exp(self.log_ratio * i)  # the bucket's upper edge
+
+    def reset(self) -> None:
+        self.counts[:] = 0
+
+
+class Ingest:
+    def __init__(self, cfg: LearnerConfig, spec: TrajectorySpec, ring: TrajectoryRing,
+                 policy_version: Callable[[], int], identities: bool = False):
+        self.cfg, self.spec, self.ring = cfg, spec, ring
+        self._policy_version = policy_version
+        self.identities = identities  # CURVE on: replay state is namespaced by the name of the client's key
+        self.decoder = wire.TrajectoryDecoder(spec, wire.WireLimits(
+            max_message_bytes=cfg.max_message_bytes, max_trajectories_per_message=cfg.max_trajectories_per_message,
+            max_episodes_per_message=cfg.max_episodes_per_message, max_actor_id_bytes=cfg.max_actor_id_bytes))
+        self.steps_per_trajectory = spec.unroll_length
+        self._scratch = {f.name: np.empty((cfg.max_trajectories_per_message, *f.shape), f.dtype) for f in spec.fields}
+        self.pending: tuple[wire.TrajectoryMessage, int, int] | None = None  # (message in scratch, next row, ns)
+        self._last_seq: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # Counters.
+        self.env_steps = 0  # steps in accepted trajectories
+        self.trajectories_received = 0
+        self.messages_received = 0
+        self.bytes_received = 0
+        self.decoded_bytes = 0
+        self.rejected: collections.Counter = collections.Counter()  # messages, by reason
+        self.trajectories_rejected = 0  # trajectories in rejected messages (1 for a message that did not parse)
+        self.dropped_stale = 0
+        self.episodes = 0
+        self.returns: collections.deque = collections.deque(maxlen=100)
+        self.lengths: collections.deque = collections.deque(maxlen=100)
+        self.last_data_at: float | None = None  # monotonic time of the last accepted trajectory
+        self.stage_s = {"parse": 0.0, "decode": 0.0}  # cumulative seconds on this thread
+        self.latency_s = Histogram()  # actor's sent_at_ns -> trajectory in its ring slot
+
+    @property
+    def scratch_nbytes(self) -> int:
+        return sum(a.nbytes for a in self._scratch.values())
+
+    # ------------------------------------------------------------------------------------------------- messages
+    def handle(self, buf, user_id: str | None = None) -> None:
+        """One received message. Never raises for anything the peer sent."""
+        t0 = time.perf_counter()
+        self.messages_received += 1
+        self.bytes_received += len(buf)
+        try:
+            msg = self.decoder.parse(buf)
+        except wire.Rejected as e:
+            self.reject(e)
+            self.stage_s["parse"] += time.perf_counter() - t0
+            return
+        try:
+            self._check_header(msg, user_id)
+        except wire.Rejected as e:
+            self.reject(e, msg.n)
+            self.stage_s["parse"] += time.perf_counter() - t0
+            return
+        key = self._actor_key(msg, user_id)
+        self._last_seq[key] = msg.seq
+        self._last_seq.move_to_end(key)
+        if len(self._last_seq) > self.cfg.max_tracked_actors:
+            self._last_seq.popitem(last=False)
+        for ret, length in msg.episodes:
+            self.returns.append(ret)
+            self.lengths.append(length)
+        self.episodes += len(msg.episodes)
+        self.stage_s["parse"] += time.perf_counter() - t0
+        if self._policy_version() - msg.policy_version > self.cfg.max_policy_lag:
+            self.dropped_stale += msg.n
+            return
+        self._decode(msg, time.time_ns())
+
+    def _actor_key(self, msg: wire.TrajectoryMessage, user_id: str | None) -> str:
+        """Replay state is per (key name, actor id) under CURVE: one client cannot touch another's sequence."""
+        return f"{user_id}\0{msg.actor_id}" if self.identities else msg.actor_id
+
+    def _check_header(self, msg: wire.TrajectoryMessage, user_id: str | None) -> None:
+        version = self._policy_version()
+        if msg.policy_version > version:
+            raise wire.Rejected("future_version", f"policy version {msg.policy_version} > learner's {version}")
+        if self.identities and not user_id:
+            raise wire.Rejected("bad_identity", "no authenticated key name (ZAP User-Id) on the message")
+        last = self._last_seq.get(self._actor_key(msg, user_id))
+        if last is not None and msg.seq <= last:
+            raise wire.Rejected("replay", f"actor {msg.actor_id!r} seq {msg.seq} <= {last}")
+
+    def _decode(self, msg: wire.TrajectoryMessage, arrival_ns: int) -> None:
+        t0 = time.perf_counter()
+        n, ring = msg.n, self.ring
+        direct = ring.room() >= n
+        dest = ring.rows(n) if direct else {name: a[:n] for name, a in self._scratch.items()}
+        try:
+            self.decoder.decode_into(msg, dest)
+        except wire.Rejected as e:
+            self.reject(e, n)
+        else:
+            if direct:
+                ring.commit(n, msg.policy_version, arrival_ns)
+                self._accepted(msg, n)
+            else:
+                self.pending = (msg, 0, arrival_ns)
+        self.stage_s["decode"] += time.perf_counter() - t0
+        self.continue_pending()
+
+    def continue_pending(self) -> bool:
+        """Copy what fits of the pending (scratch-decoded) message into the ring. True when nothing is pending."""
+        if self.pending is None:
+            return True
+        t0 = time.perf_counter()
+        msg, i, arrival_ns = self.pending
+        ring = self.ring
+        while i < msg.n:
+            m = min(ring.room(), msg.n - i)
+            if m == 0:
+                break
+            for name, rows in ring.rows(m).items():
+                np.copyto(rows, self._scratch[name][i:i + m])
+            ring.commit(m, msg.policy_version, arrival_ns)
+            self._accepted(msg, m)
+            i += m
+        self.pending = None if i >= msg.n else (msg, i, arrival_ns)
+        self.stage_s["decode"] += time.perf_counter() - t0
+        return self.pending is None
+
+    def _accepted(self, msg: wire.TrajectoryMessage, m: int) -> None:
+        self.trajectories_received += m
+        self.env_steps += m * self.steps_per_trajectory
+        self.decoded_bytes += m * self.spec.trajectory_nbytes
+        self.last_data_at = time.monotonic()
+        if msg.sent_at_ns is not None:
+            self.latency_s.add(max(0.0, (time.time_ns() - msg.sent_at_ns) * 1e-9))
+
+    def reject(self, e: wire.Rejected, trajectories: int = 1) -> None:
+        n = self.rejected[e.reason]
+        self.rejected[e.reason] = n + 1
+        self.trajectories_rejected += trajectories
+        if n < 10 or (n & (n - 1)) == 0:  # rate-limited: the first ten, then at powers of two
+            log.warning("rejected a message (%d so far for this reason): %s", n + 1, e)
+
+    def reject_reason(self, reason: str, detail: str) -> None:
+        self.reject(wire.Rejected(reason, detail))

@@ -1,0 +1,129 @@
+"""The training thread: full batches from the ring -> (device) -> learner update -> slot released.
+
+On CUDA the copy of batch k+1 runs on a dedicated stream while batch k trains, and a ring slot is released only once
+the event recorded after its copy has completed (refilling a pinned buffer mid-copy would corrupt the batch). On the
+CPU the update reads the ring slot in place and the slot is released after the update. ``ingest_only`` skips the update
+(the load-test mode): batches are copied to the device, if any, and released.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from .learn import Learner
+from .ring import Batch, TrajectoryRing
+
+log = logging.getLogger("impala_async.trainer")
+
+
+class Staged(NamedTuple):
+    batch: Batch
+    tensors: dict  # name -> tensor on the learner's device
+    copied: torch.cuda.Event | None  # recorded after the host-to-device copy (CUDA only)
+    started: torch.cuda.Event | None  # recorded before it, for timing
+
+
+class Trainer:
+    def __init__(self, learner: Learner, ring: TrajectoryRing, *, max_policy_lag: int, ingest_only: bool = False,
+                 overlap_copies: bool = True, on_update: Callable[[int, dict, object], None],
+                 after_update: Callable[[], bool], on_exit: Callable[[BaseException | None], None]):
+        """``on_update(version, stats, lag)`` records an update; ``after_update()`` runs after each batch (publish,
+        checkpoint) and returns True to stop; ``on_exit(error)`` runs when the thread ends."""
+        self.learner, self.ring = learner, ring
+        self.device = learner.device
+        self.cuda = self.device.type == "cuda"
+        self.max_policy_lag = max_policy_lag
+        self.ingest_only = ingest_only
+        self.overlap = overlap_copies
+        self._on_update, self._after_update, self._on_exit = on_update, after_update, on_exit
+        self.policy_version = 0
+        self.batches = 0
+        self.stage_s = {"h2d": 0.0, "train": 0.0}  # cumulative seconds
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Ask the thread to finish its current update and exit. True if it did within timeout_s."""
+        self._stop.set()
+        self.ring.close()
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _next(self, timeout_s: float) -> Staged | None:
+        batch = self.ring.get(timeout_s, min_policy_version=self.policy_version - self.max_policy_lag)
+        if batch is None:
+            return None
+        if not self.cuda:
+            return Staged(batch, batch.tensors, None, None)
+        stream = self._copy_stream if self.overlap else torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream):
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(stream)
+            tensors = {k: v.to(self.device, non_blocking=True) for k, v in batch.tensors.items()}
+            copied = torch.cuda.Event(enable_timing=True)
+            copied.record(stream)
+        if self.overlap:
+            for t in tensors.values():  # allocated on the copy stream, used on the compute stream
+                t.record_stream(torch.cuda.current_stream(self.device))
+        return Staged(batch, tensors, copied, started)
+
+    def _finish_copy(self, staged: Staged) -> None:
+        """Wait for the copy (if any), account its time, release the ring slot."""
+        if staged.copied is not None:
+            staged.copied.synchronize()  # the slot may be refilled only once its copy is complete
+            self.stage_s["h2d"] += staged.started.elapsed_time(staged.copied) / 1000.0
+        self.ring.release(staged.batch)
+
+    def _run(self) -> None:
+        try:
+            staged = None
+            while not self._stop.is_set():
+                if staged is None:
+                    staged = self._next(0.1)
+                    if staged is None:
+                        continue
+                # Start the next batch's copy now so that it overlaps this batch's update.
+                upcoming = self._next(0.0) if self.cuda and self.overlap else None
+                if self.ingest_only:
+                    self._finish_copy(staged)
+                    stats = None
+                else:
+                    if staged.copied is not None:
+                        torch.cuda.current_stream(self.device).wait_event(staged.copied)
+                    lag = self.policy_version - staged.batch.policy_versions
+                    t0 = time.perf_counter()
+                    stats = self.learner.step(staged.tensors)
+                    if not self.cuda:
+                        self.stage_s["train"] += time.perf_counter() - t0
+                        self._finish_copy(staged)
+                    else:
+                        self._finish_copy(staged)
+                        self.stage_s["train"] += time.perf_counter() - t0  # includes the .tolist() sync
+                self.batches += 1
+                if stats is not None:
+                    self.policy_version += 1
+                    self._on_update(self.policy_version, stats, lag)
+                staged = upcoming
+                if self._after_update():
+                    break
+            if staged is not None:
+                self._finish_copy(staged)
+        except BaseException as e:  # reported by the server; the run exits non-zero
+            self.error = e
+            log.exception("training thread failed")
+        finally:
+            self._on_exit(self.error)

@@ -1,0 +1,329 @@
+"""CurveZMQ + ZAP authentication (impala_async.auth) with real sockets on tcp://127.0.0.1.
+
+Rejections are checked twice: the server's socket monitor must report the failed handshake (a condition waited on with
+a timeout), and then polling the server for ``NOTHING_ARRIVES_S`` must get nothing.
+"""
+
+import asyncio
+import os
+import shutil
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvloop
+import zmq
+import zmq.asyncio
+from zmq.auth import load_certificate
+from zmq.utils.monitor import parse_monitor_message
+
+from impala_async import auth
+
+NOTHING_ARRIVES_S = 1.5  # how long a rejected client is given to deliver something (it must not)
+EVENT_TIMEOUT_S = 5.0  # upper bound on waiting for a handshake event or an admitted message
+PUBLISH_INTERVAL_S = 0.05
+ACTOR_NAME = "gpu-box-3"
+
+
+@dataclass
+class KeyDirs:
+    learner: Path  # learner.key_secret, learner.key, allowed/gpu-box-3.key
+    actor: Path  # admitted actor: actor.key_secret, actor.key, learner.key
+    stranger: Path  # same layout as actor, but its key is not in learner/allowed
+
+
+def _make_actor_dir(directory: Path, learner_public: Path) -> Path:
+    """An actor key directory: its own pair plus a copy of the learner's public key; returns its public key file."""
+    public, _ = auth.keygen(directory, "actor")
+    shutil.copy(learner_public, directory / "learner.key")
+    return public
+
+
+@pytest.fixture
+def key_dirs(tmp_path) -> KeyDirs:
+    dirs = KeyDirs(tmp_path / "learner", tmp_path / "actor", tmp_path / "stranger")
+    learner_public, _ = auth.keygen(dirs.learner, "learner")
+    (dirs.learner / "allowed").mkdir()
+    shutil.copy(_make_actor_dir(dirs.actor, learner_public), dirs.learner / "allowed" / f"{ACTOR_NAME}.key")
+    _make_actor_dir(dirs.stranger, learner_public)
+    return dirs
+
+
+def _bind_local(socket: zmq.Socket) -> str:
+    socket.bind("tcp://127.0.0.1:*")
+    return socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _client(context: zmq.Context, kind: int, endpoint: str, key_dir: Path | None) -> zmq.Socket:
+    """A connected client socket; CURVE with the keys in ``key_dir``, or plain (NULL) if it is None."""
+    socket = context.socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    if key_dir is not None:
+        auth.make_curve_client(socket, auth.load_actor_keys(key_dir))
+    if kind == zmq.SUB:
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(endpoint)
+    return socket
+
+
+def _wait_for_event(monitor: zmq.Socket, wanted: set[int], timeout_s: float = EVENT_TIMEOUT_S) -> int:
+    """The first monitor event in ``wanted`` within ``timeout_s`` (synchronous monitor socket)."""
+    deadline = time.monotonic() + timeout_s
+    while (remaining_s := deadline - time.monotonic()) > 0:
+        if monitor.poll(remaining_s * 1000):
+            event = parse_monitor_message(monitor.recv_multipart())["event"]
+            if event in wanted:
+                return event
+    raise AssertionError(f"none of the monitor events {_names(wanted)} within {timeout_s} s")
+
+
+async def _wait_for_event_async(monitor: zmq.asyncio.Socket, wanted: set[int],
+                                timeout_s: float = EVENT_TIMEOUT_S) -> int:
+    """As ``_wait_for_event``, for an asyncio monitor socket."""
+    deadline = time.monotonic() + timeout_s
+    while (remaining_s := deadline - time.monotonic()) > 0:
+        if await monitor.poll(remaining_s * 1000):
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event in wanted:
+                return event
+    raise AssertionError(f"none of the monitor events {_names(wanted)} within {timeout_s} s")
+
+
+def _names(events: set[int]) -> list[str]:
+    return sorted(zmq.Event(e).name for e in events)
+
+
+# ------------------------------------------------------------------------------------------------------ key files
+def test_keygen_writes_a_public_file_and_a_private_secret_file(tmp_path):
+    directory = tmp_path / "new" / "keys"
+    public_path, secret_path = auth.keygen(directory, "learner")
+    assert (public_path, secret_path) == (directory / "learner.key", directory / "learner.key_secret")
+    assert stat.S_IMODE(os.stat(secret_path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(directory).st_mode) & 0o077 == 0
+    public, no_secret = load_certificate(public_path)
+    same_public, secret = load_certificate(secret_path)
+    assert no_secret is None and same_public == public
+    assert len(public) == len(secret) == 40 and zmq.curve_public(secret) == public
+
+
+def test_keygen_refuses_to_overwrite(tmp_path):
+    public_path, secret_path = auth.keygen(tmp_path, "actor")
+    before = secret_path.read_bytes()
+    with pytest.raises(FileExistsError, match="refusing to overwrite"):
+        auth.keygen(tmp_path, "actor")
+    public_path.unlink()  # half a pair left: still refuse, and keep the secret
+    with pytest.raises(FileExistsError, match="actor.key_secret exists"):
+        auth.keygen(tmp_path, "actor")
+    assert secret_path.read_bytes() == before and not public_path.exists()
+
+
+def test_check_secret_file_rejects_group_readable_and_missing_files(key_dirs):
+    secret_path = key_dirs.learner / "learner.key_secret"
+    auth.check_secret_file(secret_path)
+    secret_path.chmod(0o644)
+    with pytest.raises(PermissionError, match="chmod 600"):
+        auth.check_secret_file(secret_path)
+    with pytest.raises(PermissionError, match="chmod 600"):
+        auth.load_learner_keys(key_dirs.learner)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        auth.check_secret_file(key_dirs.learner / "missing.key_secret")
+
+
+def test_load_learner_keys_names_each_allowed_key(key_dirs):
+    keys = auth.load_learner_keys(key_dirs.learner)
+    actor = auth.load_actor_keys(key_dirs.actor)
+    assert keys.allowed == {actor.public: ACTOR_NAME}
+    assert actor.server_public == keys.public
+    assert keys.secret not in repr(keys).encode() and actor.secret not in repr(actor).encode()
+
+
+def test_load_learner_keys_refuses_missing_or_empty_allowed(key_dirs):
+    allowed = key_dirs.learner / "allowed"
+    (allowed / f"{ACTOR_NAME}.key").unlink()
+    with pytest.raises(ValueError, match="holds no"):
+        auth.load_learner_keys(key_dirs.learner)
+    allowed.rmdir()
+    with pytest.raises(ValueError, match="does not exist"):
+        auth.load_learner_keys(key_dirs.learner)
+
+
+def test_load_learner_keys_refuses_a_secret_in_allowed(key_dirs):
+    shutil.copy(key_dirs.stranger / "actor.key_secret", key_dirs.learner / "allowed" / "oops.key")
+    with pytest.raises(ValueError, match="contains a secret key"):
+        auth.load_learner_keys(key_dirs.learner)
+
+
+# --------------------------------------------------------------------------------------- CURVE PULL, asyncio (learner)
+async def _pull_server(context: zmq.asyncio.Context, keys: auth.LearnerKeys) -> tuple[zmq.asyncio.Socket, str]:
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    auth.make_curve_server(pull, keys)
+    return pull, _bind_local(pull)
+
+
+async def _receive_named(pull: zmq.asyncio.Socket) -> tuple[bytes, str]:
+    """(payload, User-Id) of the next message, within EVENT_TIMEOUT_S."""
+    assert await pull.poll(EVENT_TIMEOUT_S * 1000), "the admitted client's message did not arrive"
+    frame = await pull.recv(copy=False)
+    return frame.bytes, frame.get("User-Id")
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_admitted_push_delivers_with_its_name_as_user_id(key_dirs, run):
+    async def main():
+        context = zmq.asyncio.Context()
+        authenticator = auth.start_authenticator(context, auth.load_learner_keys(key_dirs.learner))
+        pull, endpoint = await _pull_server(context, auth.load_learner_keys(key_dirs.learner))
+        client_context = zmq.Context()
+        push = _client(client_context, zmq.PUSH, endpoint, key_dirs.actor)
+        try:
+            push.send(b"trajectory")
+            assert await _receive_named(pull) == (b"trajectory", ACTOR_NAME)
+        finally:
+            push.close()
+            client_context.term()
+            pull.close()
+            auth.stop_authenticator(authenticator)
+            context.term()
+
+    run(main())
+
+
+# The ZAP refusal of an unlisted key is the server's decision: always HANDSHAKE_FAILED_AUTH. A plain client and the
+# server both notice the mechanism mismatch, and whichever closes first decides what the server reports (seen:
+# HANDSHAKE_FAILED_PROTOCOL or HANDSHAKE_FAILED_NO_DETAIL, each followed by DISCONNECTED); never a successful handshake.
+@pytest.mark.parametrize(("client", "rejections"), [
+    ("stranger", {zmq.EVENT_HANDSHAKE_FAILED_AUTH}),
+    ("plain", {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}),
+])
+def test_rejected_push_delivers_nothing(key_dirs, client, rejections):
+    async def main():
+        context = zmq.asyncio.Context()
+        keys = auth.load_learner_keys(key_dirs.learner)
+        authenticator = auth.start_authenticator(context, keys)
+        pull, endpoint = await _pull_server(context, keys)
+        monitor = pull.get_monitor_socket()
+        client_context = zmq.Context()
+        rejected = _client(client_context, zmq.PUSH, endpoint, key_dirs.stranger if client == "stranger" else None)
+        admitted = None
+        try:
+            rejected.send(b"intruder")
+            outcome = await _wait_for_event_async(monitor, rejections | {zmq.EVENT_HANDSHAKE_SUCCEEDED})
+            assert outcome in rejections, f"handshake outcome {zmq.Event(outcome).name}"
+            assert not await pull.poll(NOTHING_ARRIVES_S * 1000), "a rejected client delivered a message"
+            admitted = _client(client_context, zmq.PUSH, endpoint, key_dirs.actor)  # the server still works
+            admitted.send(b"trajectory")
+            assert await _receive_named(pull) == (b"trajectory", ACTOR_NAME)
+        finally:
+            for socket in (rejected, admitted):
+                if socket is not None:
+                    socket.close()
+            client_context.term()
+            pull.disable_monitor()
+            monitor.close()
+            pull.close()
+            auth.stop_authenticator(authenticator)
+            context.term()
+
+    asyncio.run(main())
+
+
+def test_start_authenticator_needs_a_running_loop(key_dirs):
+    context = zmq.asyncio.Context()
+    try:
+        with pytest.raises(RuntimeError, match="running event loop"):
+            auth.start_authenticator(context, auth.load_learner_keys(key_dirs.learner))
+    finally:
+        context.term()
+
+
+# ---------------------------------------------------------------------------------- synchronous context, ZAP thread
+@pytest.fixture
+def sync_context():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def test_thread_authenticator_names_the_sender(key_dirs, sync_context):
+    keys = auth.load_learner_keys(key_dirs.learner)
+    authenticator = auth.start_thread_authenticator(sync_context, keys)
+    try:
+        pull = sync_context.socket(zmq.PULL)
+        auth.make_curve_server(pull, keys)
+        push = _client(sync_context, zmq.PUSH, _bind_local(pull), key_dirs.actor)
+        push.send(b"trajectory")
+        assert pull.poll(EVENT_TIMEOUT_S * 1000)
+        frame = pull.recv(copy=False)
+        assert (frame.bytes, frame.get("User-Id")) == (b"trajectory", ACTOR_NAME)
+        push.close(0)
+        pull.close(0)
+    finally:
+        auth.stop_authenticator(authenticator)
+
+
+def test_pub_reaches_only_admitted_subscribers(key_dirs, sync_context):
+    keys = auth.load_learner_keys(key_dirs.learner)
+    authenticator = auth.start_thread_authenticator(sync_context, keys)
+    try:
+        pub = sync_context.socket(zmq.PUB)
+        auth.make_curve_server(pub, keys)
+        monitor = pub.get_monitor_socket()
+        endpoint = _bind_local(pub)
+        admitted = _client(sync_context, zmq.SUB, endpoint, key_dirs.actor)
+        stranger = _client(sync_context, zmq.SUB, endpoint, key_dirs.stranger)
+        _wait_for_event(monitor, {zmq.EVENT_HANDSHAKE_FAILED_AUTH})
+
+        deadline = time.monotonic() + EVENT_TIMEOUT_S  # subscriptions take a moment to reach the PUB: publish until
+        while not admitted.poll(PUBLISH_INTERVAL_S * 1000):  # the admitted subscriber gets one
+            assert time.monotonic() < deadline, "the admitted subscriber received no weights"
+            pub.send(b"weights")
+        assert admitted.recv() == b"weights"
+
+        admitted_received, window_end = 0, time.monotonic() + NOTHING_ARRIVES_S
+        while time.monotonic() < window_end:
+            pub.send(b"weights")
+            assert not stranger.poll(PUBLISH_INTERVAL_S * 1000), "an unlisted subscriber received weights"
+            while admitted.poll(0):
+                admitted_received += admitted.recv() == b"weights"
+        assert admitted_received > 0
+        pub.disable_monitor()
+        for socket in (monitor, admitted, stranger, pub):
+            socket.close(0)
+    finally:
+        auth.stop_authenticator(authenticator)
+
+
+def test_curve_server_without_authenticator_fails_closed(key_dirs, sync_context):
+    """libzmq admits any key when no ZAP handler listens, unless ZAP_ENFORCE_DOMAIN is set (make_curve_server)."""
+    pull = sync_context.socket(zmq.PULL)
+    auth.make_curve_server(pull, auth.load_learner_keys(key_dirs.learner))
+    monitor = pull.get_monitor_socket()
+    push = _client(sync_context, zmq.PUSH, _bind_local(pull), key_dirs.stranger)
+    push.send(b"intruder")
+    outcome = _wait_for_event(monitor, {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_SUCCEEDED})
+    assert outcome == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    assert not pull.poll(NOTHING_ARRIVES_S * 1000), "an unauthenticated client delivered a message"
+    pull.disable_monitor()
+    for socket in (monitor, push, pull):
+        socket.close(0)
+
+
+# ------------------------------------------------------------------------------------------------ refuse_insecure
+@pytest.mark.parametrize("listen", ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://192.168.1.7:5555",
+                                    "tcp://learner.example.org:5555", "tcp://eth0:5555"])
+def test_refuse_insecure_refuses_reachable_addresses_without_curve(listen):
+    with pytest.raises(ValueError, match="without CURVE"):
+        auth.refuse_insecure(listen, "tcp://127.0.0.1:5556", curve=False, insecure=False)
+    with pytest.raises(ValueError, match="without CURVE"):
+        auth.refuse_insecure("tcp://127.0.0.1:5555", listen, curve=False, insecure=False)
+    auth.refuse_insecure(listen, listen, curve=False, insecure=True)
+    auth.refuse_insecure(listen, listen, curve=True, insecure=False)
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:*", "tcp://localhost:5555",
+                                     "tcp://[::1]:5555", "ipc:///tmp/impala.sock", "inproc://learner"])
+def test_refuse_insecure_allows_local_addresses(address):
+    auth.refuse_insecure(address, address, curve=False, insecure=False)
