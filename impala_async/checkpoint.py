@@ -50,6 +50,17 @@ def save(directory: Path, state: dict, env_steps: int, keep: int = 3) -> Path:
     return final
 
 
+def remove_partial(directory: Path) -> int:
+    """Delete temporary files a killed writer left behind. Returns how many."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return 0
+    stale = [p for p in directory.iterdir() if p.name.startswith(".checkpoint-") and p.name.endswith(".tmp")]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return len(stale)
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Checkpoint files, oldest first."""
     directory = Path(directory)

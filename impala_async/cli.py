@@ -13,6 +13,7 @@ import time
 START_MONOTONIC = time.monotonic()  # wall_s in metrics counts from here, before the heavy imports
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -41,7 +42,7 @@ def _resolve_device(name: str):
     return device
 
 
-def _run_learner(cfg: LearnerConfig, default_listen: str) -> int:
+def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None = None) -> int:
     import gymnasium as gym
     import numpy as np
     import torch
@@ -73,6 +74,12 @@ def _run_learner(cfg: LearnerConfig, default_listen: str) -> int:
     env.close()
     cfg.resolve_for(spec.trajectory_nbytes)
     learner = Learner(cfg, spec, device)
+    if resumed is not None:
+        if TrajectorySpec.from_dict(resumed["spec"]) != spec:
+            raise SystemExit(f"impala-async: the checkpoint's trajectory spec {resumed['spec']} differs from this "
+                             f"run's {spec.to_dict()}: resume with the same --env and --unroll-length")
+        learner.load_state_dict(resumed["learner"])
+        log.info("resumed at %d env steps, policy version %d", learner.env_steps_trained, resumed["policy_version"])
     run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": cfg.env, "env_kwargs": {},
                 "spec": spec.to_dict(), "model": learner.model_config.to_dict(),
                 "max_trajectories_per_message": cfg.max_trajectories_per_message,
@@ -90,19 +97,40 @@ def _run_learner(cfg: LearnerConfig, default_listen: str) -> int:
                                      extra=extra),
             cfg.local_actors, max_restarts=cfg.max_actor_restarts, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
     server = LearnerServer(cfg, learner, spec, run_info, cfg.logdir, start_monotonic=START_MONOTONIC, actors=actors,
-                           keys=keys)
+                           keys=keys, resumed=resumed)
     code = uvloop.run(server.serve())
     if code:
         print(f"impala-async: stopped: {server.exit_reason}", file=sys.stderr)
     return code
 
 
+def _config(args, **forced) -> tuple[LearnerConfig, dict | None]:
+    """The run's configuration: from the flags, or with --resume from the newest good checkpoint's, where flags given
+    explicitly on this command line win (so a resumed run can, say, raise --total-env-steps)."""
+    if not args.resume:
+        return from_arguments(LearnerConfig, args, **forced), None
+    from . import checkpoint
+
+    found = checkpoint.load_latest(args.resume)
+    if found is None:
+        raise SystemExit(f"impala-async: no readable checkpoint in {args.resume}")
+    state, path = found
+    log.info("resuming from %s", path)
+    names = {f.name for f in dataclasses.fields(LearnerConfig)}
+    values = {k: v for k, v in state["config"].items() if k in names}
+    values.update({k: getattr(args, k) for k in args.explicit if k in names})
+    values.update(forced, logdir=args.resume)
+    return LearnerConfig(**values), state
+
+
 def cmd_train(args) -> int:
-    return _run_learner(from_arguments(LearnerConfig, args), "tcp://127.0.0.1:*")
+    cfg, resumed = _config(args)
+    return _run_learner(cfg, "tcp://127.0.0.1:*", resumed)
 
 
 def cmd_learner(args) -> int:
-    return _run_learner(from_arguments(LearnerConfig, args, num_actors=0), "tcp://127.0.0.1:5555")
+    cfg, resumed = _config(args, num_actors=0)
+    return _run_learner(cfg, "tcp://127.0.0.1:5555", resumed)
 
 
 def cmd_actor(args) -> int:
@@ -154,11 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run a learner and local actors", description=(
         "Train with a learner and --num-actors local actor processes. External actors may attach as well."))
     add_arguments(train, LearnerConfig)
+    train.add_argument("--resume", metavar="LOGDIR", default="", help=(
+        "continue the run in LOGDIR from its newest good checkpoint: same configuration (flags given here win), "
+        "counters intact, metrics appended"))
     train.set_defaults(func=cmd_train)
     learner = sub.add_parser("learner", help="run only the learner; actors attach by address", description=(
         "Run the learner alone. Actors on this or other machines attach with "
         "'impala-async actor --learner ADDRESS'; the addresses are printed at start."))
     add_arguments(learner, LearnerConfig, skip={"num_actors", "envs_per_actor"})
+    learner.add_argument("--resume", metavar="LOGDIR", default="", help=(
+        "continue from LOGDIR's newest good checkpoint (a restarted learner; attached actors carry on)"))
     learner.set_defaults(func=cmd_learner)
     act = sub.add_parser("actor", help="run actors that attach to a learner", description=(
         "Run actors against a running learner. The environment, unroll length and network come from the "
@@ -191,8 +224,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _explicit_flags(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> set[str]:
+    """Destinations of the options actually typed on the command line (not left at their defaults)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    given = set()
+    for action in sub._actions:
+        for opt in action.option_strings:
+            if any(tok == opt or tok.startswith(opt + "=") for tok in argv):
+                given.add(action.dest)
+    return given
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.explicit = _explicit_flags(parser, args.command, argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     return args.func(args)

@@ -107,6 +107,8 @@ class LearnerServer:
         self._pull_sync = zmq.Socket.shadow(self.pull.underlying)  # drains without a Future per message
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._on_signal, sig)
+        if checkpoint.remove_partial(self.logdir):
+            log.warning("removed a partial checkpoint left by an interrupted write in %s", self.logdir)
         self.metrics = MetricsWriter(self.logdir / "metrics.jsonl")
         self.progress = Progress()
         self._publish(self._encode_weights())
