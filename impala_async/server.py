@@ -39,6 +39,8 @@ log = logging.getLogger("impala_async.server")
 MAX_DRAIN_MESSAGES = 256  # messages handled per wake-up before yielding to other tasks ...
 MAX_DRAIN_S = 0.005  # ... or this much time
 LOOP_LAG_PROBE_S = 0.01
+# Exit codes (argparse uses 2 for usage errors).
+EXIT_ERROR, EXIT_ACTORS_FAILED, EXIT_NO_DATA = 1, 3, 4
 
 
 class LearnerServer:
@@ -139,7 +141,7 @@ class LearnerServer:
         for t in done:
             if t is not stop and t.exception() is not None:
                 log.error("learner task failed", exc_info=t.exception())
-                self.request_stop(f"internal error: {t.exception()!r}", 1)
+                self.request_stop(f"internal error: {t.exception()!r}", EXIT_ERROR)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -258,7 +260,7 @@ class LearnerServer:
 
     def _on_trainer_exit(self, error: BaseException | None) -> None:
         if error is not None:
-            self._loop.call_soon_threadsafe(self.request_stop, f"training failed: {error!r}", 1)
+            self._loop.call_soon_threadsafe(self.request_stop, f"training failed: {error!r}", EXIT_ERROR)
 
     def _encode_weights(self) -> bytes:
         state = {k: v.detach().to("cpu").numpy() for k, v in self.learner.model.state_dict().items()}
@@ -286,15 +288,15 @@ class LearnerServer:
                 self.actors.check()
                 if self.actors.all_given_up():
                     self.request_stop(f"every local actor failed {cfg.max_actor_restarts + 1} times; "
-                                      f"see the actor errors above", 3)
+                                      f"see the actor errors above", EXIT_ACTORS_FAILED)
             now = time.monotonic()
             last = self.ingest.last_data_at
             if last is None and now - self.t0 > cfg.actor_start_timeout_s:
                 self.request_stop(f"no trajectory arrived within actor_start_timeout_s={cfg.actor_start_timeout_s:g} s "
-                                  f"of start: are actors running and pointed at {self.listen_endpoint}?", 2)
+                                  f"of start: are actors running and pointed at {self.listen_endpoint}?", EXIT_NO_DATA)
             elif last is not None and now - last > cfg.no_data_timeout_s:
                 self.request_stop(f"no trajectory arrived for no_data_timeout_s={cfg.no_data_timeout_s:g} s: "
-                                  f"every actor is gone or stuck", 2)
+                                  f"every actor is gone or stuck", EXIT_NO_DATA)
 
     async def _loop_lag_loop(self) -> None:
         """Event-loop responsiveness: how late a short sleep wakes up."""
