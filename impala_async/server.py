@@ -357,6 +357,8 @@ class LearnerServer:
             "stage_s_per_trajectory": {k: (v - prev["stages"][k]) / d_traj if d_traj else None
                                        for k, v in cur["stages"].items()},
             "ring_ready_batches": ring.ready_batches(),
+            "ring_mib": round(ring.nbytes / 2**20, 2),
+            "scratch_mib": round(ing.scratch_nbytes / 2**20, 2),
         }
         if self.actors is not None:
             rec["actors_alive"] = self.actors.alive()

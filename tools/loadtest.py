@@ -164,6 +164,14 @@ def _live_line(r: dict) -> str:
             f"dropped {r['trajectories_dropped']}  rejected {r['trajectories_rejected']}  [{share}]")
 
 
+def _flag(flags: list[str], name: str, default):
+    """Value of a learner flag given as --learner-flag=NAME=VALUE, else the default."""
+    for f in flags:
+        if f.startswith(name + "="):
+            return f.split("=", 1)[1]
+    return default
+
+
 def summarise(rows: list[dict], window_start_s: float) -> dict:
     win = [r for r in rows if r["wall_s"] >= window_start_s]
     if len(win) < 2:
@@ -256,12 +264,16 @@ def main() -> int:
         if a.curve_keys:
             cmd += ["--curve-keys", a.curve_keys]
         actors.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=_affinity(actor_cpus)))
+    import psutil
+    rss_mib: list[tuple[bool, float]] = []  # (data flowing yet, learner RSS)
     try:
         t_first = None
         deadline = time.monotonic() + 120
         shown = 0
         while time.monotonic() < deadline:
             time.sleep(1.0)
+            if learner is not None and learner.poll() is None:
+                rss_mib.append((t_first is not None, psutil.Process(learner.pid).memory_info().rss / 2**20))
             rows = _last_metrics(metrics_path)
             for r in rows[shown:]:
                 if not a.json:
@@ -298,6 +310,16 @@ def main() -> int:
     rows = _last_metrics(metrics_path)
     if rows and t_first is not None:
         result.update(summarise(rows, t_first + a.warmup_s))
+    if rss_mib and rows:
+        # What the learner may hold beyond its idle footprint: the ring and decode scratch (touched as they fill)
+        # and, per connected actor, receive_hwm_messages queued messages of at most max_message_bytes.
+        before = [m for flowing, m in rss_mib if not flowing]
+        hwm = int(_flag(a.learner_flag, "--receive-hwm-messages", 8))
+        max_msg_mib = int(_flag(a.learner_flag, "--max-message-bytes", 16 << 20)) / 2**20
+        result["rss_mib_idle"] = round(before[-1] if before else rss_mib[0][1], 1)
+        result["rss_mib_max"] = round(max(m for _, m in rss_mib), 1)
+        result["rss_bound_mib"] = round(result["rss_mib_idle"] + rows[-1]["ring_mib"] + rows[-1]["scratch_mib"]
+                                        + a.actors * hwm * max_msg_mib, 1)
     if a.json:
         print(json.dumps(result))
     else:

@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""The ingest benchmark of BENCHMARKS.md: the learner's ingest rate as a fraction of this machine's ceiling.
+
+One script, one run after the other, nothing else running:
+  1. ../shared/bench/limits.py --quick --only 5: the machine's end-to-end ingest ceilings for the same payloads
+     (Pong-like and CartPole 80-step trajectories; its best path decompresses LZ4 straight into the ring slot);
+  2. tools/loadtest.py, ingest-only, learner pinned to CPU 0 and actors to CPU 1 as limits.py pins them:
+     Atari profile and CartPole profile with 8 actors, then 4 and 64 actors.
+Prints one JSON object per measurement and a summary with the ratios.
+
+    python tools/bench_ingest.py [--limits ../shared/bench/limits.py] [--seconds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def limits(path: Path) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="limits-")) / "limits.json"
+    subprocess.run([sys.executable, str(path), "--quick", "--only", "5", "--json", str(out)], check=True,
+                   stdout=subprocess.DEVNULL, cwd=ROOT)
+    rows = {r["label"]: r for r in json.loads(out.read_text())["e2e"] if "error" not in r}
+    return {"atari_best": rows["Atari: lz4b -> ctypes straight into slot"]["frames_per_s"],
+            "atari_spec_path": rows["Atari: lz4f -> np.copyto  [spec path]"]["frames_per_s"],
+            "cartpole_best": rows["CartPole: lz4b -> ctypes straight into slot"]["frames_per_s"],
+            "cartpole_spec_path": rows["CartPole: lz4f -> np.copyto  [spec path]"]["frames_per_s"]}
+
+
+def loadtest(obs: str, actors: int, per_message: int, seconds: float, extra=()) -> dict:
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "loadtest.py"), "--obs", obs, "--actors", str(actors),
+                          "--trajectories-per-message", str(per_message), "--seconds", str(seconds), "--pin",
+                          "--json", *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"loadtest failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--limits", default=str(ROOT.parent / "shared" / "bench" / "limits.py"))
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--skip-scaling", action="store_true")
+    a = p.parse_args()
+    ceiling = limits(Path(a.limits))
+    print(json.dumps({"limits": ceiling}), flush=True)
+    runs = {}
+    for name, obs, actors, n in (("atari_8x1", "atari", 8, 1), ("atari_8x16", "atari", 8, 16),
+                                 ("cartpole_8x1", "cartpole", 8, 1), ("cartpole_8x16", "cartpole", 8, 16)):
+        runs[name] = loadtest(obs, actors, n, a.seconds)
+        print(json.dumps({name: runs[name]}), flush=True)
+    if not a.skip_scaling:
+        for name, obs, actors, n in (("atari_4x16", "atari", 4, 16), ("atari_64x16", "atari", 64, 16),
+                                     ("cartpole_4x16", "cartpole", 4, 16), ("cartpole_64x16", "cartpole", 64, 16)):
+            runs[name] = loadtest(obs, actors, n, a.seconds)
+            print(json.dumps({name: runs[name]}), flush=True)
+    summary = {"ceiling_frames_per_s": ceiling}
+    for name, r in runs.items():
+        best = ceiling["atari_best" if name.startswith("atari") else "cartpole_best"]
+        summary[name] = {"frames_per_s": round(r["frames_per_s"]), "of_best_path": round(r["frames_per_s"] / best, 3),
+                         "latency_p50_ms": r["latency_p50_ms"], "latency_p99_ms": r["latency_p99_ms"],
+                         "loop_lag_p99_ms": r["loop_lag_p99_ms"],
+                         "stages_us_per_traj": {k: round(v * 1e6, 1) for k, v in r["stages"].items()}}
+    for obs in ("atari", "cartpole"):
+        if f"{obs}_4x16" in runs:
+            ratio = runs[f"{obs}_64x16"]["frames_per_s"] / runs[f"{obs}_4x16"]["frames_per_s"]
+            summary[f"{obs}_64_vs_4"] = round(ratio, 3)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
