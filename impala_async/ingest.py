@@ -94,6 +94,10 @@ class Ingest:
             self.reject(e)
             self.stage_s["parse"] += time.perf_counter() - t0
             return
+        except Exception as e:  # a decoder bug must not let a peer stop the server: reject, and say so loudly
+            log.exception("decoder bug on a received message; rejecting it as malformed")
+            self.reject(wire.Rejected("malformed", f"unexpected {type(e).__name__}: {e}"))
+            return
         try:
             self._check_header(msg, user_id)
         except wire.Rejected as e:
@@ -138,6 +142,9 @@ class Ingest:
             self.decoder.decode_into(msg, dest)
         except wire.Rejected as e:
             self.reject(e, n)
+        except Exception as e:  # as in handle(): never let a peer's bytes stop the server
+            log.exception("decoder bug on a received message; rejecting it as malformed")
+            self.reject(wire.Rejected("malformed", f"unexpected {type(e).__name__}: {e}"), n)
         else:
             if direct:
                 ring.commit(n, msg.policy_version, arrival_ns)

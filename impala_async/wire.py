@@ -115,7 +115,7 @@ def _is_int(x) -> bool:
     return type(x) is int  # bool is an int subclass and is not accepted
 
 
-FINITE_CHUNK = 1 << 16  # elements per finiteness check (bounds the zeros vector it dots with)
+FINITE_CHUNK = 1 << 16  # elements per finiteness check (bounds its temporary)
 
 
 class TrajectoryDecoder:
@@ -127,10 +127,8 @@ class TrajectoryDecoder:
         self._fields = spec.fields
         self._expected = {f.name: (f.wire_dtype, list(f.shape)) for f in self._fields}
         # decode_into's per-field plan: (name, bytes per trajectory, check, its argument).
-        self._plan = [(f.name, f.nbytes, f.check,
-                       np.zeros(min(FINITE_CHUNK, limits.max_trajectories_per_message * int(np.prod(f.shape))),
-                                f.dtype) if f.check == CHECK_FINITE else
-                       spec.num_actions if f.check == CHECK_ACTION else None) for f in self._fields]
+        self._plan = [(f.name, f.nbytes, f.check, spec.num_actions if f.check == CHECK_ACTION else None)
+                      for f in self._fields]
         self._unpack = dict(
             raw=False, strict_map_key=True, use_list=True,
             max_str_len=max(256, limits.max_actor_id_bytes), max_bin_len=limits.max_message_bytes,
@@ -146,13 +144,15 @@ class TrajectoryDecoder:
             raise Rejected("malformed", f"{type(e).__name__}: {e}") from None
         if type(msg) is not dict:
             raise Rejected("malformed", f"top level is {type(msg).__name__}, expected a map")
+        if not all(type(k) is str for k in msg):  # msgpack's strict_map_key admits bin keys too
+            raise Rejected("malformed", "a map key is not a string")
         if msg.get("v") != PROTOCOL_VERSION or not _is_int(msg.get("v")):
             raise Rejected("bad_version", f"protocol version {msg.get('v')!r}, this learner speaks {PROTOCOL_VERSION}")
         if msg.get("type") != TYPE_TRAJECTORIES:
             raise Rejected("bad_type", f"message type {msg.get('type')!r}")
         keys = msg.keys()
         if not _REQUIRED_KEYS <= keys or not keys <= _REQUIRED_KEYS | _OPTIONAL_KEYS:
-            raise Rejected("bad_header", f"keys {sorted(keys)}, required {sorted(_REQUIRED_KEYS)}")
+            raise Rejected("bad_header", f"keys {sorted(map(repr, keys))}, required {sorted(_REQUIRED_KEYS)}")
         actor, seq, version, n = msg["actor"], msg["seq"], msg["policy_version"], msg["n"]
         if type(actor) is not str or not 0 < len(actor.encode()) <= self.limits.max_actor_id_bytes:
             raise Rejected("bad_header", f"actor id must be a string of 1..{self.limits.max_actor_id_bytes} bytes")
@@ -179,7 +179,7 @@ class TrajectoryDecoder:
 
     def _check_fields(self, fields, n: int) -> dict:
         if type(fields) is not dict or fields.keys() != self._expected.keys():
-            got = sorted(fields) if type(fields) is dict else type(fields).__name__
+            got = sorted(map(repr, fields)) if type(fields) is dict else type(fields).__name__
             raise Rejected("bad_field", f"fields {got}, expected {sorted(self._expected)}")
         out = {}
         for name, per_trajectory, _, _ in self._plan:
@@ -224,12 +224,11 @@ class TrajectoryDecoder:
                                               f"spec says {out.nbytes}")
             else:
                 out.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
-            # Value checks: one pass each, no temporaries.
+            # Value checks, in chunks that bound the temporaries.
             if check == CHECK_FINITE:
                 flat = out.reshape(-1)
-                for i in range(0, flat.size, aux.size):
-                    chunk = flat[i:i + aux.size]
-                    if chunk.dot(aux[:chunk.size]) != 0:  # NaN or +-inf times 0 is NaN; finite x gives 0
+                for i in range(0, flat.size, FINITE_CHUNK):
+                    if not _ISFINITE(flat[i:i + FINITE_CHUNK]).all():
                         raise Rejected("nonfinite", f"field {name!r} holds NaN or infinity")
             elif check == CHECK_ACTION:
                 if _MAX_U32(out.reshape(-1).view(np.uint32)) >= aux:  # a negative int32 is a huge uint32
@@ -240,6 +239,7 @@ class TrajectoryDecoder:
 
 
 _MAX_U32 = np.maximum.reduce
+_ISFINITE = np.isfinite
 
 
 # ---------------------------------------------------------------------------------------------------- weights

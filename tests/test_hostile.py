@@ -235,11 +235,6 @@ def _wait_event(monitor: zmq.Socket, event: int, timeout_s: float = 10.0) -> boo
     return False
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a trajectory message whose top-level map holds a msgpack bin (bytes) key next to its string keys makes "
-    "TrajectoryDecoder.parse raise TypeError from sorted(keys) while formatting the bad_header detail "
-    "(wire.py, _REQUIRED_KEYS check; the same in _check_fields); Ingest.handle catches only Rejected, so the "
-    "receive task dies and the learner stops with 'internal error'"))
 def test_bin_map_key_does_not_stop_the_learner(tmp_path, ctx):
     learner = Learner(tmp_path, ctx)
     try:
