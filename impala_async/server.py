@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import zmq
-import zmq.asyncio
 
 from . import checkpoint, wire
 from .config import LearnerConfig
@@ -93,7 +92,9 @@ class LearnerServer:
 
     def _startup(self) -> None:
         cfg = self.cfg
-        self.ctx = zmq.asyncio.Context(1)
+        # Plain (synchronous) sockets: the event loop watches the PULL socket's file descriptor itself (see
+        # _receive_loop) and only ever sends non-blocking on PUB; no pyzmq asyncio machinery shares those FDs.
+        self.ctx = zmq.Context(1)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pub = self.ctx.socket(zmq.PUB)
         self.pull.setsockopt(zmq.RCVHWM, cfg.receive_hwm_messages)
@@ -106,9 +107,9 @@ class LearnerServer:
         self.pub.bind(cfg.publish)
         self.listen_endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self.publish_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._pull_sync = zmq.Socket.shadow(self.pull.underlying)  # drains without a Future per message
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._on_signal, sig)
+        self._loop.add_signal_handler(signal.SIGUSR1, self._dump_state)
         if checkpoint.remove_partial(self.logdir):
             log.warning("removed a partial checkpoint left by an interrupted write in %s", self.logdir)
         self.metrics = MetricsWriter(self.logdir / "metrics.jsonl")
@@ -128,7 +129,7 @@ class LearnerServer:
         if self.keys is None:
             return
         from . import auth
-        self.auth = auth.start_authenticator(self.ctx, self.keys)  # before bind: no window without ZAP
+        self.auth = auth.start_thread_authenticator(self.ctx, self.keys)  # before bind: no window without ZAP
         for s in (self.pull, self.pub):
             auth.make_curve_server(s, self.keys)
         log.info("CURVE on: %d allowed actor key(s)", len(self.keys.allowed))
@@ -144,7 +145,9 @@ class LearnerServer:
                 self.request_stop(f"internal error: {t.exception()!r}", EXIT_ERROR)
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        _, stuck = await asyncio.wait(tasks, timeout=2.0)  # bounded: shutdown must go on regardless
+        if stuck:
+            log.error("tasks that did not end when cancelled: %s", [t.get_coro().__qualname__ for t in stuck])
         stop.cancel()
 
     def request_stop(self, reason: str, code: int = 0) -> None:
@@ -160,6 +163,17 @@ class LearnerServer:
             self.request_stop(name, 0)
         else:
             self._force_exit(f"second {name}")
+
+    def _dump_state(self) -> None:
+        """SIGUSR1: write every thread's stack and every asyncio task's state to stderr (for a stuck learner)."""
+        import faulthandler
+        import sys
+        faulthandler.dump_traceback(all_threads=True)
+        for task in asyncio.all_tasks(self._loop):
+            task.print_stack(file=sys.stderr)
+        print(f"trainer alive={self.trainer.alive()} error={self.trainer.error!r} batches={self.trainer.batches} "
+              f"ring ready={self.ring.ready_batches()} writable={self.ring.writable()} "
+              f"pending={self.ingest.pending is not None}", file=sys.stderr, flush=True)
 
     def _force_exit(self, why: str) -> None:
         log.error("forced exit: %s", why)
@@ -183,7 +197,7 @@ class LearnerServer:
             if self.actors is not None:
                 await self._loop.run_in_executor(None, self.actors.stop, max(1.0, self.cfg.shutdown_timeout_s / 2))
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
                 self._loop.remove_signal_handler(sig)
             self.pull.close(0)
             self.pub.close(0)
@@ -198,36 +212,46 @@ class LearnerServer:
 
     # --------------------------------------------------------------------------------------------------- intake
     async def _receive_loop(self) -> None:
-        pull, sync, ingest = self.pull, self._pull_sync, self.ingest
+        """Drain the PULL socket with non-blocking receives; sleep on its file descriptor only when it is empty.
+
+        ZeroMQ's FD is edge-triggered ("something may have changed"): the loop checks ZMQ_EVENTS before sleeping
+        and after every wake-up, so it never sleeps with messages pending. No Future per message."""
+        sync, ingest = self.pull, self.ingest
         user_ids = self.keys is not None
+        readable = asyncio.Event()
+        fd = sync.getsockopt(zmq.FD)
+        self._loop.add_reader(fd, readable.set)
         recv_s = 0.0
-        while True:
-            if not ingest.continue_pending():
-                self._room.clear()
-                if not self.ring.writable():  # the trainer may have released a slot meanwhile
-                    try:
-                        await asyncio.wait_for(self._room.wait(), 0.1)
-                    except asyncio.TimeoutError:
-                        pass
-                continue
-            if not await pull.poll(100, zmq.POLLIN):
-                continue
-            deadline = time.monotonic() + MAX_DRAIN_S
-            for _ in range(MAX_DRAIN_MESSAGES):
-                t0 = time.perf_counter()
-                try:
-                    frame = sync.recv(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                recv_s += time.perf_counter() - t0
-                if frame.more:
-                    self._discard_multipart(sync)
+        try:
+            while not self._stop.is_set():
+                if not ingest.continue_pending():
+                    self._room.clear()
+                    if not self.ring.writable():  # the trainer may have released a slot meanwhile
+                        await _wait(self._room, 0.1)
                     continue
-                ingest.handle(frame.buffer, frame.get("User-Id") if user_ids else None)
-                if ingest.pending is not None or time.monotonic() > deadline:
-                    break
-            self.stage_s["receive"] = recv_s
-            await asyncio.sleep(0)
+                if not sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    readable.clear()
+                    if not sync.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # re-check: the edge may have come meanwhile
+                        await _wait(readable, 0.1)
+                        continue
+                deadline = time.monotonic() + MAX_DRAIN_S
+                for _ in range(MAX_DRAIN_MESSAGES):
+                    t0 = time.perf_counter()
+                    try:
+                        frame = sync.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    recv_s += time.perf_counter() - t0
+                    if frame.more:
+                        self._discard_multipart(sync)
+                        continue
+                    ingest.handle(frame.buffer, frame.get("User-Id") if user_ids else None)
+                    if ingest.pending is not None or time.monotonic() > deadline:
+                        break
+                self.stage_s["receive"] = recv_s
+                await asyncio.sleep(0)  # let the other tasks run between drains
+        finally:
+            self._loop.remove_reader(fd)
 
     def _discard_multipart(self, sync: zmq.Socket) -> None:
         """The protocol has one frame per message: drop the rest of a multipart message (already in memory)."""
@@ -404,6 +428,18 @@ class LearnerServer:
         ing.lengths.extend(state["lengths"])
         self.wall_offset_s = float(state["wall_s"])
         torch.set_rng_state(state["torch_rng"])
+
+
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    """Wait until ``event`` is set or ``timeout_s`` passes (then it is set too; callers clear it before waiting).
+
+    Not asyncio.wait_for: on Python 3.11 it can swallow a cancellation that races with the event (the receive task
+    then never ended and shutdown hung; seen in tests/test_cli.py)."""
+    timer = asyncio.get_running_loop().call_later(timeout_s, event.set)
+    try:
+        await event.wait()
+    finally:
+        timer.cancel()
 
 
 def _ms(seconds: float | None) -> float | None:

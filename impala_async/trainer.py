@@ -126,4 +126,6 @@ class Trainer:
             self.error = e
             log.exception("training thread failed")
         finally:
+            log.info("training thread ends after %d batches (policy version %d)%s", self.batches,
+                     self.policy_version, f": {self.error!r}" if self.error else "")
             self._on_exit(self.error)

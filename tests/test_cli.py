@@ -45,7 +45,11 @@ def test_help_is_complete(command, flags):
 def test_train_end_to_end(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
     proc = cli("train", *SMALL, "--total-env-steps", "4000", "--logdir", str(logdir), log=log)
-    assert proc.wait(120) == 0, tail(log)
+    try:
+        assert proc.wait(120) == 0, tail(log)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        raise AssertionError(f"train did not finish within 120 s\n{tail(log, 80)}") from None
     rows = read_metrics(logdir)
     assert rows, tail(log)
     last = rows[-1]

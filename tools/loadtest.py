@@ -172,7 +172,7 @@ def _flag(flags: list[str], name: str, default):
     return default
 
 
-def summarise(rows: list[dict], window_start_s: float) -> dict:
+def summarise(rows: list[dict], window_start_s: float, frames_per_batch: int | None) -> dict:
     win = [r for r in rows if r["wall_s"] >= window_start_s]
     if len(win) < 2:
         raise SystemExit("loadtest: too few metrics lines in the measurement window; run longer")
@@ -185,8 +185,12 @@ def summarise(rows: list[dict], window_start_s: float) -> dict:
             if v is not None:
                 stages.setdefault(k, []).append(v)
     trajectories = last["trajectories_received"] - first["trajectories_received"]
+    decoded = (last["env_steps"] - first["env_steps"]) / dt
+    batches = sum(r["batches_per_s"] for r in win[1:]) / len(win[1:])
     return {
-        "frames_per_s": (last["env_steps"] - first["env_steps"]) / dt,
+        # Frames in batches handed to the consumer (trainer): what was ingested, net of any later drop.
+        "frames_per_s": batches * frames_per_batch if frames_per_batch else decoded,
+        "frames_decoded_per_s": decoded,
         "trajectories_per_s": trajectories / dt,
         "wire_mb_per_s": (last["bytes_received"] - first["bytes_received"]) / dt / 1e6,
         "decoded_mb_per_s": med("decoded_mb_per_s"),
@@ -309,7 +313,8 @@ def main() -> int:
               "sender_blocked_frac": statistics.mean(s["blocked_frac"] for s in sent) if sent else None}
     rows = _last_metrics(metrics_path)
     if rows and t_first is not None:
-        result.update(summarise(rows, t_first + a.warmup_s))
+        result.update(summarise(rows, t_first + a.warmup_s,
+                                a.batch_size * a.unroll_length if learner is not None else None))
     if rss_mib and rows:
         # What the learner may hold beyond its idle footprint: the ring and decode scratch (touched as they fill)
         # and, per connected actor, receive_hwm_messages queued messages of at most max_message_bytes.
