@@ -122,12 +122,17 @@ class Policy:
         return logits.numpy(), values.numpy()
 
 
-def _receive_weights(sub: zmq.Socket, max_bytes: int, timeout_ms: int) -> wire.WeightsMessage | None:
-    """Newest weights message (SUB is CONFLATEd), or None if none arrived within timeout_ms."""
+def _receive_weights(sub: zmq.Socket, max_bytes: int, timeout_ms: int,
+                     have_version: int | None = None) -> wire.WeightsMessage | None:
+    """Newest weights message (SUB is CONFLATEd) unless it is ``have_version`` again, or None if none arrived within
+    timeout_ms."""
     if not sub.poll(timeout_ms, zmq.POLLIN):
         return None
     try:
-        return wire.decode_weights(sub.recv(zmq.NOBLOCK), max_bytes)
+        data = sub.recv(zmq.NOBLOCK)
+        if have_version is not None and wire.weights_version(data) == have_version:
+            return None  # a re-sent copy: skip decoding the tensors
+        return wire.decode_weights(data, max_bytes)
     except zmq.Again:
         return None
     except wire.Rejected as e:
@@ -228,8 +233,8 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
                 break
             seq += 1
             episodes = []
-        newer = _receive_weights(sub, cfg.max_weights_bytes, 0)
-        if newer is not None and newer.version != policy.version:
+        newer = _receive_weights(sub, cfg.max_weights_bytes, 0, have_version=policy.version)
+        if newer is not None:
             policy.load(newer)
     for env in envs:
         env.close()

@@ -77,7 +77,7 @@ class LearnerConfig:
                                         "wait (stop reading; socket high-water marks then make actors wait)")
     # ---- intervals and timeouts
     publish_interval_s: float = opt(0.0, "least time between two weight publications (0: after every update)")
-    republish_interval_s: float = opt(1.0, "resend the latest weights this often, for actors that join late")
+    republish_interval_s: float = opt(5.0, "resend the latest weights this often (actors that join get them at once)")
     report_interval_s: float = opt(1.0, "write a metrics line this often")
     checkpoint_interval_s: float = opt(600.0, "write a checkpoint this often (a final one is always written)")
     shutdown_timeout_s: float = opt(10.0, "graceful shutdown gives up and forces exit after this long")

@@ -96,7 +96,8 @@ class LearnerServer:
         # _receive_loop) and only ever sends non-blocking on PUB; no pyzmq asyncio machinery shares those FDs.
         self.ctx = zmq.Context(1)
         self.pull = self.ctx.socket(zmq.PULL)
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)  # a PUB that also hears subscriptions: new actors get weights at once
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pull.setsockopt(zmq.RCVHWM, cfg.receive_hwm_messages)
         self.pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
         self.pub.setsockopt(zmq.SNDHWM, 2)
@@ -298,10 +299,27 @@ class LearnerServer:
             pass
 
     async def _republish_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.republish_interval_s)
-            if self._weights is not None:
-                self._publish(self._weights)
+        """Send the latest weights again when an actor subscribes (it would otherwise wait for the next update), and
+        every republish_interval_s as a safety net (a publication dropped at a full queue)."""
+        pub = self.pub
+        joined = asyncio.Event()
+        fd = pub.getsockopt(zmq.FD)
+        self._loop.add_reader(fd, joined.set)
+        next_at = time.monotonic() + self.cfg.republish_interval_s
+        try:
+            while not self._stop.is_set():
+                subscribed = False
+                while pub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    subscribed |= pub.recv(zmq.NOBLOCK)[:1] == b"\x01"  # 1 = subscribe, 0 = unsubscribe
+                now = time.monotonic()
+                if self._weights is not None and (subscribed or now >= next_at):
+                    self._publish(self._weights)
+                    next_at = now + self.cfg.republish_interval_s
+                joined.clear()
+                if not pub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    await _wait(joined, max(0.01, next_at - time.monotonic()))
+        finally:
+            self._loop.remove_reader(fd)
 
     # -------------------------------------------------------------------------------------------- supervision
     async def _watch_loop(self) -> None:

@@ -100,6 +100,9 @@ class Trainer:
                 upcoming = self._next(0.0) if self.cuda and self.overlap else None
                 if self.ingest_only:
                     self._finish_copy(staged)
+                    while (more := self._next(0.0)) is not None:  # take every ready batch per wake-up
+                        self._finish_copy(more)
+                        self.batches += 1
                     stats = None
                 else:
                     if staged.copied is not None:

@@ -260,6 +260,24 @@ def encode_weights(version: int, tensors: dict[str, np.ndarray], run_info: dict)
                           "tensors": out}, use_bin_type=True)
 
 
+def weights_version(buf) -> int | None:
+    """The policy version of a weights message, read without decoding its tensors (None if it is not one).
+
+    Lets an actor skip the re-sent copies of weights it already has at the cost of reading three keys."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(buf), max_ext_len=0)
+        unpacker.feed(buf)
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "version":
+                version = unpacker.unpack()
+                return version if _is_int(version) else None
+            unpacker.skip()
+    except Exception:
+        return None
+    return None
+
+
 def decode_weights(buf, max_message_bytes: int) -> WeightsMessage:
     """Decode a weights message. Raises :class:`Rejected` if it is not one this actor can use."""
     if len(buf) > max_message_bytes:

@@ -173,3 +173,10 @@ def test_weights_round_trip():
                          "tensors": {"x": {"dtype": "|O", "shape": [1], "data": b"12345678"}}})
     with pytest.raises(wire.Rejected):
         wire.decode_weights(bad, 1 << 20)
+
+
+def test_weights_version_without_decoding_tensors():
+    data = wire.encode_weights(42, {"w": np.zeros((1000, 100), np.float32)}, {"env_id": "x"})
+    assert wire.weights_version(data) == 42
+    assert wire.weights_version(b"\x00garbage") is None
+    assert wire.weights_version(msgpack.packb({"v": 1, "version": "7"})) is None

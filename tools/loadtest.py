@@ -108,7 +108,8 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     start = time.monotonic()
     while not stop:
         if sub.poll(0):
-            version = wire.decode_weights(sub.recv(), 1 << 30).version
+            latest = wire.weights_version(sub.recv())
+            version = version if latest is None else latest
         payloads = distinct[seq % len(distinct)]
         fields = {name: {"dtype": d, "shape": s, "codec": a.codec, "data": payloads[name]}
                   for name, (d, s) in field_meta.items()}
