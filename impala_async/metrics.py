@@ -5,7 +5,91 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
+
+import numpy as np
+
+from .learn import RHO_BIN_EDGES
+from .wire import REJECT_REASONS
+
+
+class Reporter:
+    """Builds one metrics record per report interval from the learner server's parts (rates over the interval)."""
+
+    def __init__(self, server, start_monotonic: float):
+        self.s = server
+        self._prev = self._snapshot(start_monotonic)
+
+    def _snapshot(self, now: float) -> dict:
+        s, ing = self.s, self.s.ingest
+        return {"t": now, "env_steps": ing.env_steps, "trajectories": ing.trajectories_received,
+                "bytes": ing.bytes_received, "decoded": ing.decoded_bytes, "batches": s.trainer.batches,
+                "stages": {**s.stage_s, **ing.stage_s, **s.trainer.stage_s}}
+
+    def record(self, stats: list[dict], lags: list[tuple[int, float, int]]) -> dict:
+        """``stats``: the learner updates' statistics since the last record; ``lags``: (min, mean, max) policy lag of
+        each trained batch."""
+        s, ing, ring = self.s, self.s.ingest, self.s.ring
+        now = time.monotonic()
+        cur, prev = self._snapshot(now), self._prev
+        dt = max(1e-9, now - prev["t"])
+        d_traj = cur["trajectories"] - prev["trajectories"]
+        d_trained = (cur["batches"] - prev["batches"]) * s.cfg.batch_size
+        rec = {
+            "wall_s": round(s.wall_offset_s + now - s.t0, 3),
+            "env_steps": ing.env_steps,
+            "env_steps_trained": s.learner.env_steps_trained,
+            "learner_steps": s.learner.updates,
+            "sps": round((cur["env_steps"] - prev["env_steps"]) / dt, 1),
+            "episode_return_mean": float(np.mean(ing.returns)) if ing.returns else None,
+            "episode_length_mean": float(np.mean(ing.lengths)) if ing.lengths else None,
+            "episodes": ing.episodes,
+            "policy_version": s.trainer.policy_version,
+            "policy_lag_min": min(lag[0] for lag in lags) if lags else None,
+            "policy_lag_avg": round(float(np.mean([lag[1] for lag in lags])), 2) if lags else None,
+            "policy_lag_max": max(lag[2] for lag in lags) if lags else None,
+            "trajectories_received": ing.trajectories_received,
+            "trajectories_rejected": ing.trajectories_rejected,
+            "messages_rejected": sum(ing.rejected.values()),
+            "trajectories_dropped": ring.dropped_full + ring.dropped_stale + ing.dropped_stale,
+            "dropped_full": ring.dropped_full,
+            "dropped_stale": ring.dropped_stale + ing.dropped_stale,
+            "messages_received": ing.messages_received,
+            "bytes_received": ing.bytes_received,
+            "trajectories_per_s": round(d_traj / dt, 1),
+            "batches_per_s": round((cur["batches"] - prev["batches"]) / dt, 2),
+            "wire_mb_per_s": round((cur["bytes"] - prev["bytes"]) / dt / 1e6, 3),
+            "decoded_mb_per_s": round((cur["decoded"] - prev["decoded"]) / dt / 1e6, 3),
+            "latency_p50_ms": _ms(ing.latency_s.quantile(0.5)),
+            "latency_p99_ms": _ms(ing.latency_s.quantile(0.99)),
+            "loop_lag_p99_ms": _ms(s.loop_lag_s.quantile(0.99)),
+            # Seconds per trajectory in each stage: ingest stages per trajectory received, h2d and train per
+            # trajectory trained (the two differ when batches are dropped).
+            "stage_s_per_trajectory": {k: (v - prev["stages"][k]) / n if n else None
+                                       for k, v in cur["stages"].items()
+                                       for n in [d_trained if k in s.trainer.stage_s else d_traj]},
+            "ring_ready_batches": ring.ready_batches(),
+            "ring_mib": round(ring.nbytes / 2**20, 2),
+            "scratch_mib": round(ing.scratch_nbytes / 2**20, 2),
+        }
+        if s.actors is not None:
+            rec["actors_alive"] = s.actors.alive()
+            rec["actor_restarts"] = s.actors.restarts_total
+        for reason in REJECT_REASONS:
+            rec[f"rejected_{reason}"] = ing.rejected[reason]
+        for name in ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "lr"):
+            rec[name] = float(np.mean([st[name] for st in stats])) if stats else None
+        rec["rho_hist"] = np.sum([st["rho_hist"] for st in stats], axis=0).tolist() if stats else None
+        rec["rho_hist_edges"] = list(RHO_BIN_EDGES)
+        ing.latency_s.reset()
+        s.loop_lag_s.reset()
+        self._prev = cur
+        return rec
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
 
 
 class MetricsWriter:

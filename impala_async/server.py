@@ -19,15 +19,14 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 import zmq
 
 from . import checkpoint, wire
 from .config import LearnerConfig
 from .ingest import Histogram, Ingest
-from .learn import RHO_BIN_EDGES, Learner
-from .metrics import MetricsWriter, Progress
+from .learn import Learner
+from .metrics import MetricsWriter, Progress, Reporter
 from .procs import ActorProcesses
 from .ring import TrajectoryRing
 from .spec import TrajectorySpec
@@ -65,7 +64,7 @@ class LearnerServer:
             self._restore(resumed)
         self.loop_lag_s = Histogram()
         self.stage_s = {"receive": 0.0}
-        self._prev = self._snapshot(start_monotonic)  # counters at the previous metrics line
+        self.reporter = Reporter(self, start_monotonic)
         # Shared with the training thread.
         self._stats_lock = threading.Lock()
         self._stats: list[dict] = []
@@ -348,72 +347,16 @@ class LearnerServer:
             self.loop_lag_s.add(max(0.0, time.monotonic() - t0 - LOOP_LAG_PROBE_S))
 
     # ---------------------------------------------------------------------------------------------- reporting
-    def _snapshot(self, now: float) -> dict:
-        ing = self.ingest
-        return {"t": now, "env_steps": ing.env_steps, "trajectories": ing.trajectories_received,
-                "bytes": ing.bytes_received, "decoded": ing.decoded_bytes, "batches": self.trainer.batches,
-                "stages": {**self.stage_s, **ing.stage_s, **self.trainer.stage_s}}
-
     async def _report_loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.report_interval_s)
             self._report()
 
     def _report(self) -> None:
-        now = time.monotonic()
-        cur, prev = self._snapshot(now), self._prev
-        dt = max(1e-9, now - prev["t"])
         with self._stats_lock:
             stats, self._stats = self._stats, []
             lags, self._lags = self._lags, []
-        ing, ring = self.ingest, self.ring
-        d_traj = cur["trajectories"] - prev["trajectories"]
-        rec = {
-            "wall_s": round(self.wall_offset_s + now - self.t0, 3),
-            "env_steps": ing.env_steps,
-            "env_steps_trained": self.learner.env_steps_trained,
-            "learner_steps": self.learner.updates,
-            "sps": round((cur["env_steps"] - prev["env_steps"]) / dt, 1),
-            "episode_return_mean": float(np.mean(ing.returns)) if ing.returns else None,
-            "episode_length_mean": float(np.mean(ing.lengths)) if ing.lengths else None,
-            "episodes": ing.episodes,
-            "policy_version": self.trainer.policy_version,
-            "policy_lag_min": min(lag[0] for lag in lags) if lags else None,
-            "policy_lag_avg": round(float(np.mean([lag[1] for lag in lags])), 2) if lags else None,
-            "policy_lag_max": max(lag[2] for lag in lags) if lags else None,
-            "trajectories_received": ing.trajectories_received,
-            "trajectories_rejected": ing.trajectories_rejected,
-            "messages_rejected": sum(ing.rejected.values()),
-            "trajectories_dropped": ring.dropped_full + ring.dropped_stale + ing.dropped_stale,
-            "dropped_full": ring.dropped_full,
-            "dropped_stale": ring.dropped_stale + ing.dropped_stale,
-            "messages_received": ing.messages_received,
-            "bytes_received": ing.bytes_received,
-            "trajectories_per_s": round(d_traj / dt, 1),
-            "batches_per_s": round((cur["batches"] - prev["batches"]) / dt, 2),
-            "wire_mb_per_s": round((cur["bytes"] - prev["bytes"]) / dt / 1e6, 3),
-            "decoded_mb_per_s": round((cur["decoded"] - prev["decoded"]) / dt / 1e6, 3),
-            "latency_p50_ms": _ms(ing.latency_s.quantile(0.5)),
-            "latency_p99_ms": _ms(ing.latency_s.quantile(0.99)),
-            "loop_lag_p99_ms": _ms(self.loop_lag_s.quantile(0.99)),
-            "stage_s_per_trajectory": {k: (v - prev["stages"][k]) / d_traj if d_traj else None
-                                       for k, v in cur["stages"].items()},
-            "ring_ready_batches": ring.ready_batches(),
-            "ring_mib": round(ring.nbytes / 2**20, 2),
-            "scratch_mib": round(ing.scratch_nbytes / 2**20, 2),
-        }
-        if self.actors is not None:
-            rec["actors_alive"] = self.actors.alive()
-            rec["actor_restarts"] = self.actors.restarts_total
-        for reason in wire.REJECT_REASONS:
-            rec[f"rejected_{reason}"] = ing.rejected[reason]
-        for name in ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "lr"):
-            rec[name] = float(np.mean([s[name] for s in stats])) if stats else None
-        rec["rho_hist"] = np.sum([s["rho_hist"] for s in stats], axis=0).tolist() if stats else None
-        rec["rho_hist_edges"] = list(RHO_BIN_EDGES)
-        ing.latency_s.reset()
-        self.loop_lag_s.reset()
-        self._prev = cur
+        rec = self.reporter.record(stats, lags)
         self.metrics.write(rec)
         self.progress.show(rec)
 
@@ -460,5 +403,3 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
         timer.cancel()
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 3)

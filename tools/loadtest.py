@@ -218,7 +218,8 @@ def main() -> int:
     p.add_argument("--obs", choices=sorted(ENVS), default="atari")
     p.add_argument("--actors", type=int, default=8)
     p.add_argument("--unroll-length", type=int, default=80)
-    p.add_argument("--trajectories-per-message", type=int, default=1)
+    p.add_argument("--trajectories-per-message", type=int, default=16, help=(
+        "trajectories per message (real actors send one per environment of an unroll: 32 by default)"))
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--codec", choices=("lz4", "none"), default="lz4")
     p.add_argument("--rate", type=float, default=0.0, help="offered env frames/s over all actors (0: as fast as "
@@ -247,7 +248,7 @@ def main() -> int:
                "--unroll-length", str(a.unroll_length), "--batch-size", str(a.batch_size), "--logdir", str(tmp),
                "--ingest-only", "0" if a.train else "1", "--total-env-steps", str(10**15),
                "--report-interval-s", "1", "--no-data-timeout-s", "600", "--checkpoint-interval-s", "100000",
-               "--max-trajectories-per-message", str(max(256, a.trajectories_per_message)), *a.learner_flag]
+               *a.learner_flag]
         learner = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(tmp / "learner.log", "w"), text=True,
                                    preexec_fn=_affinity(learner_cpus))
         line = learner.stdout.readline()
