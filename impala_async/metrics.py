@@ -76,6 +76,7 @@ class Reporter:
         if s.actors is not None:
             rec["actors_alive"] = s.actors.alive()
             rec["actor_restarts"] = s.actors.restarts_total
+            rec["actors_replaced_silent"] = s.actors.replaced_silent  # killed for missing heartbeats
         for reason in REJECT_REASONS:
             rec[f"rejected_{reason}"] = ing.rejected[reason]
         for name in ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "lr"):

@@ -49,12 +49,6 @@ class ActorProcesses:
         self.replaced_silent = 0
         self.gave_up: list[int] = []
 
-    def __len__(self):
-        return len(self._children)
-
-    def pids(self) -> list[int]:
-        return [c.proc.pid for c in self._children if c.proc is not None]
-
     def start(self) -> None:
         for c in self._children:
             self._spawn(c)
