@@ -10,11 +10,9 @@ import torch.nn.functional as F
 
 from . import vtrace
 from .config import LearnerConfig
+from .metrics import RHO_BIN_EDGES
 from .models import ModelConfig, build_model
 from .spec import TrajectorySpec
-
-# Bin edges of the importance-weight histogram in the metrics (policy-collapse diagnosis: mass far from 1).
-RHO_BIN_EDGES = (0.0, 0.1, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, 10.0)
 
 
 def model_config(cfg: LearnerConfig) -> ModelConfig:

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .learn import RHO_BIN_EDGES
 from .wire import REJECT_REASONS
+
+# Bin edges of the importance-weight histogram in the metrics (policy-collapse diagnosis: mass far from 1).
+RHO_BIN_EDGES = (0.0, 0.1, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, 10.0)
 
 
 class Reporter:
@@ -91,6 +93,19 @@ class Reporter:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
+
+
+def read_metrics(path: Path | None) -> list[dict]:
+    """The records of a metrics.jsonl file, oldest first; a line still being written is skipped."""
+    if path is None or not Path(path).exists():
+        return []
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
 
 
 class MetricsWriter:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -12,6 +11,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from impala_async import metrics
 
 METRICS_FIELDS = (
     "wall_s", "env_steps", "learner_steps", "sps", "episode_return_mean", "episodes", "policy_version",
@@ -27,16 +28,7 @@ def cli(*args: str, log: Path | None = None, **kw) -> subprocess.Popen:
 
 
 def read_metrics(logdir: Path) -> list[dict]:
-    path = Path(logdir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
+    return metrics.read_metrics(Path(logdir) / "metrics.jsonl")
 
 
 def wait_for(cond, timeout_s: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):

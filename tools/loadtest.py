@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from impala_async.metrics import read_metrics
+
 ENVS = {"cartpole": "CartPole-v1", "atari": "impala_async.envs:PongLike-v0"}
 
 
@@ -142,18 +144,6 @@ def synthetic_actor(a: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------------ driver
 def _affinity(cpus):
     return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-
-
-def _last_metrics(path: Path) -> list[dict]:
-    if not path or not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
 
 
 def _live_line(r: dict) -> str:
@@ -280,7 +270,7 @@ def main() -> int:
             time.sleep(1.0)
             if learner is not None and learner.poll() is None:
                 rss_mib.append((t_first is not None, psutil.Process(learner.pid).memory_info().rss / 2**20))
-            rows = _last_metrics(metrics_path)
+            rows = read_metrics(metrics_path)
             for r in rows[shown:]:
                 if not a.json:
                     print(_live_line(r), flush=True)
@@ -313,7 +303,7 @@ def main() -> int:
               "trajectories_per_message": a.trajectories_per_message, "codec": a.codec, "rate": a.rate,
               "pinned": a.pin, "sender_trajectories": sum(s["trajectories_sent"] for s in sent),
               "sender_blocked_frac": statistics.mean(s["blocked_frac"] for s in sent) if sent else None}
-    rows = _last_metrics(metrics_path)
+    rows = read_metrics(metrics_path)
     if rows and t_first is not None:
         result.update(summarise(rows, t_first + a.warmup_s,
                                 a.batch_size * a.unroll_length if learner is not None else None))

@@ -37,18 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from impala_async import checkpoint, wire  # noqa: E402
+from impala_async.metrics import read_metrics  # noqa: E402
 from impala_async.spec import TrajectorySpec  # noqa: E402
-
-
-def read_metrics(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return rows
 
 
 def garbage_sender(listen: str, weights: str, rate_per_s: float, stop: threading.Event, sent: list) -> None:

@@ -22,17 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return rows
+from impala_async.metrics import read_metrics
 
 
 def run_one(seed: int, target: float, timeout_s: float, train_args: list[str], keep_logs: bool) -> dict:
