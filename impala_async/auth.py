@@ -29,7 +29,6 @@ ZAP handler is listening, unless ZAP_ENFORCE_DOMAIN is set; ``make_curve_server`
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import ipaddress
 import logging
@@ -42,7 +41,6 @@ from pathlib import Path
 
 import zmq
 from zmq.auth import load_certificate
-from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.auth.base import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
@@ -274,33 +272,15 @@ class _AllowedKeys:
         return self._allowed_names[z85.encode(client_public_key)]
 
 
-class NamedAsyncioAuthenticator(_AllowedKeys, AsyncioAuthenticator):
-    """AsyncioAuthenticator admitting a fixed set of CURVE keys, with User-Id = the key's name."""
-
-
 class NamedThreadAuthenticator(_AllowedKeys, ThreadAuthenticator):
     """ThreadAuthenticator admitting a fixed set of CURVE keys, with User-Id = the key's name."""
 
 
-def start_authenticator(context: zmq.Context, keys: LearnerKeys) -> NamedAsyncioAuthenticator:
-    """Start ZAP authentication on ``context`` (a ``zmq.asyncio.Context``) in the running event loop.
-
-    Admits exactly the clients in ``keys.allowed``. Call from a coroutine, before binding the CURVE sockets; one
-    authenticator per context (it binds ``inproc://zeromq.zap.01``). Stop it with ``stop_authenticator``.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        raise RuntimeError("start_authenticator needs a running event loop: call it from a coroutine, or use "
-                           "start_thread_authenticator for a synchronous context") from None
-    auth = NamedAsyncioAuthenticator(context, log=log.getChild("zap"))
-    auth._admit(keys.allowed)
-    auth.start()
-    return auth
-
-
 def start_thread_authenticator(context: zmq.Context, keys: LearnerKeys) -> NamedThreadAuthenticator:
-    """Like ``start_authenticator``, for a synchronous context: ZAP runs in a background thread."""
+    """Start ZAP authentication on ``context`` in a background thread, admitting exactly ``keys.allowed``.
+
+    Call before binding the CURVE sockets; one authenticator per context (it binds ``inproc://zeromq.zap.01``).
+    Stop it with ``stop_authenticator``."""
     auth = NamedThreadAuthenticator(context, log=log.getChild("zap"))
     auth._admit(keys.allowed)
     auth.start()
@@ -308,13 +288,7 @@ def start_thread_authenticator(context: zmq.Context, keys: LearnerKeys) -> Named
 
 
 def stop_authenticator(auth: Authenticator) -> None:
-    """Stop an authenticator from either start function, after closing the CURVE sockets, before ``context.term()``.
-
-    An asyncio authenticator is best stopped at shutdown, as the event loop ends: pyzmq cancels its task and closes
-    the ZAP socket at once, but the task's clean-up runs one or two loop iterations later and removes the loop's reader
-    of the ZAP socket's file descriptor number. A socket that gets that number meanwhile (say, a new authenticator's)
-    silently loses its reader. In a loop that goes on, ``await asyncio.sleep(0)`` twice before creating sockets.
-    """
+    """Stop an authenticator after closing the CURVE sockets, before ``context.term()``."""
     auth.stop()
 
 

@@ -109,13 +109,9 @@ class Trainer:
                         torch.cuda.current_stream(self.device).wait_event(staged.copied)
                     lag = self.policy_version - staged.batch.policy_versions
                     t0 = time.perf_counter()
-                    stats = self.learner.step(staged.tensors)
-                    if not self.cuda:
-                        self.stage_s["train"] += time.perf_counter() - t0
-                        self._finish_copy(staged)
-                    else:
-                        self._finish_copy(staged)
-                        self.stage_s["train"] += time.perf_counter() - t0  # includes the .tolist() sync
+                    stats = self.learner.step(staged.tensors)  # its .tolist() waits for the GPU, if any
+                    self.stage_s["train"] += time.perf_counter() - t0
+                    self._finish_copy(staged)
                 self.batches += 1
                 if stats is not None:
                     self.policy_version += 1

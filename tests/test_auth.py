@@ -4,7 +4,6 @@ Rejections are checked twice: the server's socket monitor must report the failed
 a timeout), and then polling the server for ``NOTHING_ARRIVES_S`` must get nothing.
 """
 
-import asyncio
 import os
 import shutil
 import stat
@@ -13,9 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import uvloop
 import zmq
-import zmq.asyncio
 from zmq.auth import load_certificate
 from zmq.utils.monitor import parse_monitor_message
 
@@ -74,18 +71,6 @@ def _wait_for_event(monitor: zmq.Socket, wanted: set[int], timeout_s: float = EV
     while (remaining_s := deadline - time.monotonic()) > 0:
         if monitor.poll(remaining_s * 1000):
             event = parse_monitor_message(monitor.recv_multipart())["event"]
-            if event in wanted:
-                return event
-    raise AssertionError(f"none of the monitor events {_names(wanted)} within {timeout_s} s")
-
-
-async def _wait_for_event_async(monitor: zmq.asyncio.Socket, wanted: set[int],
-                                timeout_s: float = EVENT_TIMEOUT_S) -> int:
-    """As ``_wait_for_event``, for an asyncio monitor socket."""
-    deadline = time.monotonic() + timeout_s
-    while (remaining_s := deadline - time.monotonic()) > 0:
-        if await monitor.poll(remaining_s * 1000):
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
             if event in wanted:
                 return event
     raise AssertionError(f"none of the monitor events {_names(wanted)} within {timeout_s} s")
@@ -155,90 +140,6 @@ def test_load_learner_keys_refuses_a_secret_in_allowed(key_dirs):
         auth.load_learner_keys(key_dirs.learner)
 
 
-# --------------------------------------------------------------------------------------- CURVE PULL, asyncio (learner)
-async def _pull_server(context: zmq.asyncio.Context, keys: auth.LearnerKeys) -> tuple[zmq.asyncio.Socket, str]:
-    pull = context.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    auth.make_curve_server(pull, keys)
-    return pull, _bind_local(pull)
-
-
-async def _receive_named(pull: zmq.asyncio.Socket) -> tuple[bytes, str]:
-    """(payload, User-Id) of the next message, within EVENT_TIMEOUT_S."""
-    assert await pull.poll(EVENT_TIMEOUT_S * 1000), "the admitted client's message did not arrive"
-    frame = await pull.recv(copy=False)
-    return frame.bytes, frame.get("User-Id")
-
-
-@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
-def test_admitted_push_delivers_with_its_name_as_user_id(key_dirs, run):
-    async def main():
-        context = zmq.asyncio.Context()
-        authenticator = auth.start_authenticator(context, auth.load_learner_keys(key_dirs.learner))
-        pull, endpoint = await _pull_server(context, auth.load_learner_keys(key_dirs.learner))
-        client_context = zmq.Context()
-        push = _client(client_context, zmq.PUSH, endpoint, key_dirs.actor)
-        try:
-            push.send(b"trajectory")
-            assert await _receive_named(pull) == (b"trajectory", ACTOR_NAME)
-        finally:
-            push.close()
-            client_context.term()
-            pull.close()
-            auth.stop_authenticator(authenticator)
-            context.term()
-
-    run(main())
-
-
-# The ZAP refusal of an unlisted key is the server's decision: always HANDSHAKE_FAILED_AUTH. A plain client and the
-# server both notice the mechanism mismatch, and whichever closes first decides what the server reports (seen:
-# HANDSHAKE_FAILED_PROTOCOL or HANDSHAKE_FAILED_NO_DETAIL, each followed by DISCONNECTED); never a successful handshake.
-@pytest.mark.parametrize(("client", "rejections"), [
-    ("stranger", {zmq.EVENT_HANDSHAKE_FAILED_AUTH}),
-    ("plain", {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}),
-])
-def test_rejected_push_delivers_nothing(key_dirs, client, rejections):
-    async def main():
-        context = zmq.asyncio.Context()
-        keys = auth.load_learner_keys(key_dirs.learner)
-        authenticator = auth.start_authenticator(context, keys)
-        pull, endpoint = await _pull_server(context, keys)
-        monitor = pull.get_monitor_socket()
-        client_context = zmq.Context()
-        rejected = _client(client_context, zmq.PUSH, endpoint, key_dirs.stranger if client == "stranger" else None)
-        admitted = None
-        try:
-            rejected.send(b"intruder")
-            outcome = await _wait_for_event_async(monitor, rejections | {zmq.EVENT_HANDSHAKE_SUCCEEDED})
-            assert outcome in rejections, f"handshake outcome {zmq.Event(outcome).name}"
-            assert not await pull.poll(NOTHING_ARRIVES_S * 1000), "a rejected client delivered a message"
-            admitted = _client(client_context, zmq.PUSH, endpoint, key_dirs.actor)  # the server still works
-            admitted.send(b"trajectory")
-            assert await _receive_named(pull) == (b"trajectory", ACTOR_NAME)
-        finally:
-            for socket in (rejected, admitted):
-                if socket is not None:
-                    socket.close()
-            client_context.term()
-            pull.disable_monitor()
-            monitor.close()
-            pull.close()
-            auth.stop_authenticator(authenticator)
-            context.term()
-
-    asyncio.run(main())
-
-
-def test_start_authenticator_needs_a_running_loop(key_dirs):
-    context = zmq.asyncio.Context()
-    try:
-        with pytest.raises(RuntimeError, match="running event loop"):
-            auth.start_authenticator(context, auth.load_learner_keys(key_dirs.learner))
-    finally:
-        context.term()
-
-
 # ---------------------------------------------------------------------------------- synchronous context, ZAP thread
 @pytest.fixture
 def sync_context():
@@ -260,6 +161,38 @@ def test_thread_authenticator_names_the_sender(key_dirs, sync_context):
         assert (frame.bytes, frame.get("User-Id")) == (b"trajectory", ACTOR_NAME)
         push.close(0)
         pull.close(0)
+    finally:
+        auth.stop_authenticator(authenticator)
+
+
+# The ZAP refusal of an unlisted key is the server's decision: always HANDSHAKE_FAILED_AUTH. A plain client and the
+# server both notice the mechanism mismatch, and whichever closes first decides what the server reports (seen:
+# HANDSHAKE_FAILED_PROTOCOL or HANDSHAKE_FAILED_NO_DETAIL, each followed by DISCONNECTED); never a successful handshake.
+@pytest.mark.parametrize(("client", "rejections"), [
+    ("stranger", {zmq.EVENT_HANDSHAKE_FAILED_AUTH}),
+    ("plain", {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}),
+])
+def test_rejected_push_delivers_nothing(key_dirs, sync_context, client, rejections):
+    keys = auth.load_learner_keys(key_dirs.learner)
+    authenticator = auth.start_thread_authenticator(sync_context, keys)
+    try:
+        pull = sync_context.socket(zmq.PULL)
+        auth.make_curve_server(pull, keys)
+        monitor = pull.get_monitor_socket()
+        endpoint = _bind_local(pull)
+        rejected = _client(sync_context, zmq.PUSH, endpoint, key_dirs.stranger if client == "stranger" else None)
+        rejected.send(b"intruder")
+        outcome = _wait_for_event(monitor, rejections | {zmq.EVENT_HANDSHAKE_SUCCEEDED})
+        assert outcome in rejections, f"handshake outcome {zmq.Event(outcome).name}"
+        assert not pull.poll(NOTHING_ARRIVES_S * 1000), "a rejected client delivered a message"
+        admitted = _client(sync_context, zmq.PUSH, endpoint, key_dirs.actor)  # the server still works
+        admitted.send(b"trajectory")
+        assert pull.poll(EVENT_TIMEOUT_S * 1000), "the admitted client's message did not arrive"
+        frame = pull.recv(copy=False)
+        assert (frame.bytes, frame.get("User-Id")) == (b"trajectory", ACTOR_NAME)
+        pull.disable_monitor()
+        for socket in (monitor, rejected, admitted, pull):
+            socket.close(0)
     finally:
         auth.stop_authenticator(authenticator)
 
