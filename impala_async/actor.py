@@ -14,12 +14,12 @@ import socket
 import time
 from dataclasses import dataclass
 
-import gymnasium as gym
 import numpy as np
 import torch
 import zmq
 
 from . import wire
+from .envs import make_env
 from .models import ModelConfig, build_model
 from .spec import TrajectorySpec
 
@@ -189,7 +189,7 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
     per_message = int(run_info.get("max_trajectories_per_message", K)) or K
     seeds = np.random.SeedSequence([cfg.seed, cfg.index]).generate_state(K + 1)
     rng = np.random.default_rng(seeds[K])
-    envs = [gym.make(run_info["env_id"], **run_info.get("env_kwargs", {})) for _ in range(K)]
+    envs = [make_env(run_info["env_id"], **run_info.get("env_kwargs", {})) for _ in range(K)]
     obs = np.stack([env.reset(seed=int(seeds[k]))[0] for k, env in enumerate(envs)]).astype(spec.obs_dtype)
     buf = {f.name: np.zeros((K, *f.shape), f.dtype) for f in spec.fields}
     ep_return, ep_length = np.zeros(K), np.zeros(K, np.int64)

@@ -43,12 +43,12 @@ def _resolve_device(name: str):
 
 
 def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None = None) -> int:
-    import gymnasium as gym
     import numpy as np
     import torch
     import uvloop
 
     from . import auth, wire
+    from .envs import make_env
     from .learn import Learner
     from .procs import ActorProcesses, actor_argv
     from .server import LearnerServer
@@ -69,7 +69,7 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
     np.random.seed(cfg.seed)
     if device.type == "cpu":
         torch.set_num_threads(1)  # the actors need the other cores more than a small network needs threads
-    env = gym.make(cfg.env)
+    env = make_env(cfg.env)
     spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, cfg.unroll_length)
     env.close()
     cfg.resolve_for(spec.trajectory_nbytes)

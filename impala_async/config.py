@@ -15,6 +15,19 @@ from dataclasses import dataclass, field
 AUTO_SCRATCH_BYTES = 64 << 20  # decoded bytes of one message at most, when max_trajectories_per_message is auto
 
 
+def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (``docker run --cpus 4`` on a
+    64-core host gives 4, where ``os.cpu_count()`` says 64 and one actor per core would oversubscribe 16x)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = open(cgroup_cpu_max).read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota readable: the affinity mask is the answer
+    return n
+
+
 def opt(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -28,8 +41,8 @@ class LearnerConfig:
     device: str = opt("auto", "where the learner trains: auto (cuda if available), cpu or cuda[:N]")
     total_env_steps: int = opt(1_000_000, "stop after training on this many environment steps")
     # ---- local actors (train only)
-    num_actors: int = opt(-1, "actor processes started by 'train' (-1: one per CPU core but the one the learner "
-                                 "keeps; 0: none, attach external actors instead)")
+    num_actors: int = opt(-1, "actor processes started by 'train' (-1: one per usable CPU core, a container's quota "
+                                 "included, but the one the learner keeps; 0: none, attach external actors instead)")
     envs_per_actor: int = opt(32, "environments each actor steps with one batched forward pass")
     unroll_length: int = opt(20, "T: environment steps per trajectory")
     # ---- model
@@ -145,7 +158,7 @@ class LearnerConfig:
 
     @property
     def local_actors(self) -> int:
-        return max(1, (os.cpu_count() or 2) - 1) if self.num_actors == -1 else self.num_actors
+        return max(1, usable_cpus() - 1) if self.num_actors == -1 else self.num_actors
 
     @property
     def hidden_size_tuple(self) -> tuple[int, ...]:

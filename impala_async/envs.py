@@ -1,4 +1,11 @@
-"""A small Pong-like gymnasium environment with Atari-shaped observations, for the image path without ALE.
+"""Environment construction, and a small Pong-like environment with Atari-shaped observations.
+
+``make_env(env_id)`` is what learner and actors both call. Atari ids (``ALE/Pong-v5``, ``PongNoFrameskip-v4``) get
+the standard DeepMind preprocessing: 4 emulator frames per step (max over the last two), up to 30 no-op starts,
+84x84 greyscale, 4 frames stacked into uint8 ``[4, 84, 84]``; they need ``pip install "impala-async[atari]"``.
+Any other id goes to ``gym.make`` as it is.
+
+The Pong-like environment serves the image path without ALE.
 
 ``gym.make("impala_async.envs:PongLike-v0")`` imports this module and registers the environment. Observations are 4
 stacked 84x84 greyscale frames (uint8 ``[4, 84, 84]``), the shape of Atari after the usual preprocessing; 6 actions
@@ -12,6 +19,31 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+
+ATARI_FRAME_SKIP, ATARI_NOOP_MAX, ATARI_STACK = 4, 30, 4
+
+
+def is_atari(env_id: str) -> bool:
+    return env_id.startswith("ALE/") or env_id.endswith("NoFrameskip-v4")
+
+
+def make_env(env_id: str, **kwargs) -> gym.Env:
+    """One environment; Atari ids wrapped as the module docstring says."""
+    if not is_atari(env_id):
+        return gym.make(env_id, **kwargs)
+    try:
+        import ale_py
+    except ImportError:
+        raise gym.error.DependencyNotInstalled(
+            f"{env_id} needs the Arcade Learning Environment: pip install 'impala-async[atari]'") from None
+    from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
+
+    gym.register_envs(ale_py)
+    env = gym.make(env_id, frameskip=1, **kwargs)  # the preprocessing skips frames, taking a max over the last two
+    env = AtariPreprocessing(env, noop_max=ATARI_NOOP_MAX, frame_skip=ATARI_FRAME_SKIP, screen_size=84,
+                             terminal_on_life_loss=False, grayscale_obs=True, scale_obs=False)
+    return FrameStackObservation(env, ATARI_STACK)
+
 
 SIZE = 84
 PADDLE_H, PADDLE_W, BALL = 12, 2, 2

@@ -40,13 +40,13 @@ ENVS = {"cartpole": "CartPole-v1", "atari": "impala_async.envs:PongLike-v0"}
 # ------------------------------------------------------------------------------------------------ synthetic actor
 def synthetic_actor(a: argparse.Namespace) -> int:
     """One synthetic actor process: pre-encoded trajectories, fresh header (seq, version, time) per message."""
-    import gymnasium as gym
     import lz4.block
     import msgpack
     import numpy as np
     import zmq
 
     from impala_async import wire
+    from impala_async.envs import make_env
     from impala_async.spec import TrajectorySpec
 
     stop = []
@@ -77,7 +77,7 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     version = first.version
     T, N = spec.unroll_length, a.trajectories_per_message
     # Distinct realistic trajectories from the learner's own environment under random actions.
-    env = gym.make(first.run_info["env_id"])
+    env = make_env(first.run_info["env_id"])
     rng = np.random.default_rng(a.index)
     obs, _ = env.reset(seed=a.index)
     trajectories = []
