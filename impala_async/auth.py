@@ -123,7 +123,7 @@ def check_secret_file(path: str | os.PathLike) -> None:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         raise FileNotFoundError(f"secret key file {path} not found; create the key pair with "
-                                f"impala_async.auth.keygen (see the key layout in impala_async/auth.py)") from None
+                                f"`impala-async keygen DIR` (the key layout is in README.md, Security)") from None
     if not stat.S_ISREG(mode):
         raise ValueError(f"secret key file {path} is not a regular file")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -323,7 +323,7 @@ def refuse_insecure(listen: str, publish: str, curve: bool, insecure: bool) -> N
         raise ValueError(
             f"refusing to bind {' and '.join(exposed)} without CURVE: anyone who can reach it could push "
             f"trajectories into training and read the weights. Give --curve-keys DIR (keys from "
-            f"impala_async.auth.keygen), or bind to 127.0.0.1, or pass --insecure on a network you trust")
+            f"`impala-async keygen DIR`), or bind to 127.0.0.1, or pass --insecure 1 on a network you trust")
 
 
 def local_actor_keys(keys: LearnerKeys, directory: Path) -> tuple[Path, LearnerKeys]:

@@ -43,18 +43,9 @@ def _resolve_device(name: str):
 
 
 def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None = None) -> int:
-    import numpy as np
-    import torch
-    import uvloop
+    from . import auth
 
-    from . import auth, wire
-    from .envs import make_env
-    from .learn import Learner
-    from .procs import ActorProcesses, actor_argv
-    from .server import LearnerServer
-    from .spec import TrajectorySpec
-
-    try:
+    try:  # before the heavy imports: a refusal to start is immediate
         cfg.listen = cfg.listen or default_listen
         cfg.publish = cfg.publish or _default_publish(cfg.listen)
         cfg.check()
@@ -62,6 +53,18 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
         keys = auth.load_learner_keys(cfg.curve_keys) if cfg.curve_keys else None
     except (ValueError, OSError) as e:
         raise SystemExit(f"impala-async: {e}") from None
+
+    import numpy as np
+    import torch
+    import uvloop
+
+    from . import wire
+    from .envs import make_env
+    from .learn import Learner
+    from .procs import ActorProcesses, actor_argv
+    from .server import LearnerServer
+    from .spec import TrajectorySpec
+
     if not cfg.logdir:
         cfg.logdir = f"runs/{cfg.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     device = _resolve_device(cfg.device)
