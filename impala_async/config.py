@@ -39,6 +39,8 @@ class LearnerConfig:
     seed: int = opt(0, "random seed of the learner; actor i seeds its environments from seed, i and env index")
     logdir: str = opt("", "directory for metrics.jsonl and checkpoints (default: runs/<env>-<UTC time>)")
     device: str = opt("auto", "where the learner trains: auto (cuda if available), cpu or cuda[:N]")
+    precision: str = opt("fp32", "fp32, or bf16: the network's forward pass under bf16 autocast (importance weights, "
+                                 "V-trace and the losses stay fp32; no loss scaling needed)")
     total_env_steps: int = opt(1_000_000, "stop after training on this many environment steps")
     # ---- local actors (train only)
     num_actors: int = opt(-1, "actor processes started by 'train' (-1: one per usable CPU core, a container's quota "
@@ -117,6 +119,8 @@ class LearnerConfig:
         need(self.unroll_length >= 1, "unroll_length must be >= 1")
         need(self.batch_size >= 1, "batch_size must be >= 1")
         need(self.optimizer in ("adam", "rmsprop"), f"optimizer must be adam or rmsprop, got {self.optimizer!r}")
+        need(self.precision in ("fp32", "bf16"), f"precision must be fp32 or bf16, got {self.precision!r} (fp16 would "
+                                                 "need loss scaling, and bf16 has fp32's range without it)")
         need(self.lr_schedule in ("linear", "constant"), "lr_schedule must be linear or constant")
         need(self.learning_rate > 0, "learning_rate must be > 0")
         need(0.0 <= self.discount <= 1.0, "discount must lie in [0, 1]: values would diverge")

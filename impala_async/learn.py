@@ -49,7 +49,9 @@ class Learner:
         obs = batch["obs"]
         B, T1 = obs.shape[:2]
         T = T1 - 1
-        logits, values = self.model(obs.reshape(B * T1, *obs.shape[2:]))
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            logits, values = self.model(obs.reshape(B * T1, *obs.shape[2:]))
+        logits, values = logits.float(), values.float()  # everything after the network in fp32
         logits = logits.view(B, T1, -1).transpose(0, 1)  # [T+1, B, A]
         values = values.view(B, T1).transpose(0, 1)  # [T+1, B]
 
@@ -77,8 +79,8 @@ class Learner:
         if cfg.normalize_advantages:
             advantages = advantages / (advantages.std() + 1e-8)
         pg_loss = -(vt.target_action_log_probs * advantages).mean()
-        baseline_loss = 0.5 * (vt.vs - values[:T].float()).pow(2).mean()
-        log_probs = F.log_softmax(logits[:T].float(), dim=-1)
+        baseline_loss = 0.5 * (vt.vs - values[:T]).pow(2).mean()
+        log_probs = F.log_softmax(logits[:T], dim=-1)
         entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
         loss = pg_loss + cfg.baseline_cost * baseline_loss - cfg.entropy_cost * entropy
 
