@@ -20,7 +20,8 @@ def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     64-core host gives 4, where ``os.cpu_count()`` says 64 and one actor per core would oversubscribe 16x)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
-        quota, period = open(cgroup_cpu_max).read().split()[:2]
+        with open(cgroup_cpu_max) as f:
+            quota, period = f.read().split()[:2]
         if quota != "max":
             n = min(n, max(1, math.ceil(int(quota) / int(period))))
     except (OSError, ValueError):
