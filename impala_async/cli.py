@@ -72,7 +72,10 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
     np.random.seed(cfg.seed)
     if device.type == "cpu":
         torch.set_num_threads(1)  # the actors need the other cores more than a small network needs threads
-    env = make_env(cfg.env)
+    try:
+        env = make_env(cfg.env, **cfg.env_kwargs_dict)
+    except TypeError as e:  # an argument the environment does not take
+        raise SystemExit(f"impala-async: --env {cfg.env} --env-kwargs {cfg.env_kwargs}: {e}") from None
     spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, cfg.unroll_length)
     env.close()
     cfg.resolve_for(spec.trajectory_nbytes)
@@ -83,7 +86,7 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
                              f"run's {spec.to_dict()}: resume with the same --env and --unroll-length")
         learner.load_state_dict(resumed["learner"])
         log.info("resumed at %d env steps, policy version %d", learner.env_steps_trained, resumed["policy_version"])
-    run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": cfg.env, "env_kwargs": {},
+    run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": cfg.env, "env_kwargs": cfg.env_kwargs_dict,
                 "spec": spec.to_dict(), "model": learner.model_config.to_dict(),
                 "max_trajectories_per_message": cfg.max_trajectories_per_message,
                 "max_message_bytes": cfg.max_message_bytes}

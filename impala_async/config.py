@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ def opt(default, help: str, **kw):
 class LearnerConfig:
     # ---- run
     env: str = opt("CartPole-v1", "gymnasium environment id (Discrete actions; vector or uint8-image observations)")
+    env_kwargs: str = opt("", "JSON object of keyword arguments for the environment, the same in learner and "
+                              "actors: '{\"max_episode_steps\": 200}'; for ALE '{\"repeat_action_probability\": 0}'")
     seed: int = opt(0, "random seed of the learner; actor i seeds its environments from seed, i and env index")
     logdir: str = opt("", "directory for metrics.jsonl and checkpoints (default: runs/<env>-<UTC time>)")
     device: str = opt("auto", "where the learner trains: auto (cuda if available), cpu or cuda[:N]")
@@ -114,6 +117,10 @@ class LearnerConfig:
                 raise ValueError(msg)
         need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
              f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        try:
+            self.env_kwargs_dict  # noqa: B018 (parsed for its errors)
+        except ValueError as e:
+            raise ValueError(f"env_kwargs: {e}") from None
         need(self.total_env_steps > 0, "total_env_steps must be > 0: the run would end before it starts")
         need(self.num_actors >= -1, "num_actors must be >= 0, or -1 for one per CPU core but one")
         need(self.envs_per_actor >= 1, "envs_per_actor must be >= 1: an actor without environments sends nothing")
@@ -164,6 +171,19 @@ class LearnerConfig:
     @property
     def local_actors(self) -> int:
         return max(1, usable_cpus() - 1) if self.num_actors == -1 else self.num_actors
+
+    @property
+    def env_kwargs_dict(self) -> dict:
+        """``env_kwargs`` parsed; ValueError unless it is empty or a JSON object."""
+        if not self.env_kwargs.strip():
+            return {}
+        try:
+            value = json.loads(self.env_kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON ({e}): {self.env_kwargs!r}") from None
+        if type(value) is not dict:
+            raise ValueError(f"must be a JSON object such as '{{\"max_episode_steps\": 200}}', got {self.env_kwargs!r}")
+        return value
 
     @property
     def hidden_size_tuple(self) -> tuple[int, ...]:

@@ -119,3 +119,23 @@ def test_learner_and_attached_actors(tmp_path):
         stop(learner)
         if actors is not None:
             stop(actors)
+
+
+def test_env_kwargs_reach_learner_and_actors(tmp_path):
+    """`--env-kwargs` travels to the actors with the weights. CartPole cut at 5 steps returns exactly 5 per episode;
+    uncut, no CartPole episode is that short (the pole takes about 8 steps to fall even under the worst policy)."""
+    logdir, log = tmp_path / "run", tmp_path / "log"
+    proc = cli("train", *SMALL, "--total-env-steps", "3000", "--env-kwargs", '{"max_episode_steps": 5}',
+               "--logdir", str(logdir), log=log)
+    try:
+        assert proc.wait(120) == 0, tail(log)
+    finally:
+        stop(proc)
+    rows = [r for r in read_metrics(logdir) if r["episode_return_mean"] is not None]
+    assert rows and rows[-1]["episodes"] >= 3000 // 5 // 2, tail(log)
+    assert {r["episode_return_mean"] for r in rows} == {5.0}
+    # An argument the environment does not take is refused at the start, naming it.
+    bad = subprocess.run([sys.executable, "-m", "impala_async", "train", "--env", "CartPole-v1", "--env-kwargs",
+                          '{"no_such_argument": 1}', "--logdir", str(tmp_path / "bad")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "no_such_argument" in bad.stderr, bad.stderr

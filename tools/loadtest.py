@@ -77,7 +77,7 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     version = first.version
     T, N = spec.unroll_length, a.trajectories_per_message
     # Distinct realistic trajectories from the learner's own environment under random actions.
-    env = make_env(first.run_info["env_id"])
+    env = make_env(first.run_info["env_id"], **first.run_info.get("env_kwargs", {}))
     rng = np.random.default_rng(a.index)
     obs, _ = env.reset(seed=a.index)
     trajectories = []
