@@ -36,8 +36,10 @@ def make_env(env_id: str, **kwargs) -> gym.Env:
     except ImportError:
         raise gym.error.DependencyNotInstalled(
             f"{env_id} needs the Arcade Learning Environment: pip install 'impala-async[atari]'") from None
+    import cv2
     from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
 
+    cv2.setNumThreads(1)  # one actor per core is the parallelism; OpenCV's own pool (a thread per core) only contends
     gym.register_envs(ale_py)
     env = gym.make(env_id, frameskip=1, **kwargs)  # the preprocessing skips frames, taking a max over the last two
     env = AtariPreprocessing(env, noop_max=ATARI_NOOP_MAX, frame_skip=ATARI_FRAME_SKIP, screen_size=84,

@@ -23,8 +23,12 @@ def test_atari_ids_are_recognised():
 
 
 def test_pong_is_preprocessed_to_stacked_84x84_frames():
+    import cv2
+
+    cv2.setNumThreads(4)
     env = make_env("ALE/Pong-v5")
     try:
+        assert cv2.getNumThreads() == 1, "each actor process should resize on its own thread only"
         spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, 20)
         assert spec.obs_shape == (4, 84, 84) and spec.obs_dtype == "uint8" and spec.num_actions == 6
         obs, _ = env.reset(seed=1)
