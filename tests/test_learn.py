@@ -21,13 +21,17 @@ def _spec(env_id: str, T: int = 12) -> TrajectorySpec:
     return TrajectorySpec.from_spaces(env.observation_space, env.action_space, T)
 
 
-def _learner(spec: TrajectorySpec, **cfg) -> Learner:
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def _learner(spec: TrajectorySpec, device: str = "cpu", **cfg) -> Learner:
     torch.manual_seed(0)
-    return Learner(LearnerConfig(**cfg), spec, torch.device("cpu"))
+    return Learner(LearnerConfig(**cfg), spec, torch.device(device))
 
 
-def _batch(spec: TrajectorySpec, B: int = 8) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(v) for k, v in random_arrays(spec, B, seed=3).items()}
+def _batch(spec: TrajectorySpec, B: int = 8, device: str = "cpu") -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(v).to(device) for k, v in random_arrays(spec, B, seed=3).items()}
 
 
 def _forward_dtypes(learner: Learner) -> list[torch.dtype]:
@@ -39,14 +43,15 @@ def _forward_dtypes(learner: Learner) -> list[torch.dtype]:
     return seen
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "image"])
 @pytest.mark.parametrize("precision,want", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
-def test_one_step_updates_parameters(env_id, precision, want):
+def test_one_step_updates_parameters(env_id, precision, want, device):
     spec = _spec(env_id)
-    learner = _learner(spec, precision=precision)
+    learner = _learner(spec, device, precision=precision)
     before = [p.detach().clone() for p in learner.model.parameters()]
     dtypes = _forward_dtypes(learner)
-    stats = learner.step(_batch(spec))
+    stats = learner.step(_batch(spec, device=device))
     assert dtypes and set(dtypes) == {want}, dtypes
     for name in ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac"):
         assert np.isfinite(stats[name]), (name, stats[name])
@@ -57,15 +62,16 @@ def test_one_step_updates_parameters(env_id, precision, want):
     assert learner.updates == 1 and learner.env_steps_trained == 8 * spec.unroll_length
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "image"])
-def test_bf16_gradient_agrees_with_fp32(env_id):
+def test_bf16_gradient_agrees_with_fp32(env_id, device):
     """The same batch and weights: the bf16 gradient points where the fp32 one does (bf16 keeps 8 bits of mantissa,
     so agreement is to about 1%, not to 1e-5)."""
     spec = _spec(env_id)
     grads = {}
     for precision in ("fp32", "bf16"):
-        learner = _learner(spec, precision=precision, max_grad_norm=0.0, learning_rate=1e-9)
-        learner.step(_batch(spec))
+        learner = _learner(spec, device, precision=precision, max_grad_norm=0.0, learning_rate=1e-9)
+        learner.step(_batch(spec, device=device))
         grads[precision] = torch.cat([p.grad.flatten() for p in learner.model.parameters()])
     a, b = grads["fp32"], grads["bf16"]
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item()

@@ -261,3 +261,19 @@ def test_shape_errors_are_explained():
     with pytest.raises(ValueError, match="rewards"):
         vtrace.from_importance_weights(torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(3, 1), torch.zeros(3, 2),
                                        torch.zeros(2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("clips", CLIPS)
+def test_cuda_matches_double_sum(clips):
+    """On the GPU, under bf16 autocast as the learner may run it: fp32 results that match the ground truth."""
+    inputs = random_inputs(np.random.default_rng(stable_seed("cuda", clips)), (20, 7))
+    want_vs, want_pg = ground_truth(*inputs, *clips)
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+        got = vtrace.from_importance_weights(
+            *(torch.tensor(a, dtype=torch.float32, device="cuda") for a in inputs),
+            clip_rho_threshold=clips[0], clip_pg_rho_threshold=clips[1], clip_c_threshold=clips[2])
+    assert got.vs.device.type == "cuda" and got.vs.dtype == torch.float32
+    vs_scale, pg_scale = ground_truth(*inputs, *clips, magnitudes=True)
+    assert_fp32_close(got.vs.cpu().numpy(), want_vs, vs_scale, "vs")
+    assert_fp32_close(got.pg_advantages.cpu().numpy(), want_pg, pg_scale, "pg_advantages")
