@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -23,6 +24,10 @@ import time
 from pathlib import Path
 
 from impala_async.metrics import read_metrics
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def run_one(seed: int, target: float, timeout_s: float, train_args: list[str], keep_logs: bool) -> dict:
@@ -94,7 +99,8 @@ def main() -> int:
         "target": a.target,
         "reached": f"{len(done)}/{len(times)}",
         "times_s": times,
-        "median_time_s": statistics.median(t if t is not None else float("inf") for t in times),
+        # A seed that missed the target counts as infinitely slow; a median that is infinite is reported as null.
+        "median_time_s": _finite(statistics.median(t if t is not None else math.inf for t in times)),
         "steady_sps": [r["steady_sps"] for r in results],
         "cpus": os.cpu_count(),
     }
