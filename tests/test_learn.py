@@ -66,7 +66,7 @@ def test_one_step_updates_parameters(env_id, precision, want, device):
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "image"])
 def test_bf16_gradient_agrees_with_fp32(env_id, device):
     """The same batch and weights: the bf16 gradient points where the fp32 one does (bf16 keeps 8 bits of mantissa,
-    so agreement is to about 1%, not to 1e-5)."""
+    so agreement is to a fraction of a percent, not to 1e-5)."""
     spec = _spec(env_id)
     grads = {}
     for precision in ("fp32", "bf16"):
@@ -75,8 +75,8 @@ def test_bf16_gradient_agrees_with_fp32(env_id, device):
         grads[precision] = torch.cat([p.grad.flatten() for p in learner.model.parameters()])
     a, b = grads["fp32"], grads["bf16"]
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
-    assert cosine > 0.99, cosine
-    assert abs(b.norm().item() / a.norm().item() - 1) < 0.05
+    assert cosine > 0.999, cosine
+    assert abs(b.norm().item() / a.norm().item() - 1) < 0.02
 
 
 def test_fp16_is_refused_with_the_reason():
