@@ -128,4 +128,34 @@ class PongLike(gym.Env):
         return self._push(self._draw()), reward, terminated, truncated, {}
 
 
+class ImageBandit(gym.Env):
+    """A diagnostic for the image path: one-step episodes showing a bright square on the left or the right of a uint8
+    ``[4, 84, 84]`` picture; action 0 (left) or 1 (right) scores +1 when it names the side, -1 otherwise. Random play
+    returns 0 on average; a network that sees its observation, paired with the action taken on it, returns 1."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self):
+        self.observation_space = spaces.Box(0, 255, (4, SIZE, SIZE), np.uint8)
+        self.action_space = spaces.Discrete(2)
+        self.side = 0
+
+    def _observe(self) -> np.ndarray:
+        obs = np.full((4, SIZE, SIZE), BACKGROUND, np.uint8)
+        x = 8 if self.side == 0 else SIZE - 24
+        obs[:, 32:52, x:x + 16] = BALL_COLOUR
+        return obs
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.side = int(self.np_random.integers(2))
+        return self._observe(), {}
+
+    def step(self, action):
+        reward = 1.0 if int(action) == self.side else -1.0
+        self.side = int(self.np_random.integers(2))  # the next episode's picture (the actor resets anyway)
+        return self._observe(), reward, True, False, {}
+
+
 gym.register(id="PongLike-v0", entry_point=PongLike)
+gym.register(id="ImageBandit-v0", entry_point=ImageBandit)
