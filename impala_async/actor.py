@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import zmq
 
-from . import wire
+from . import frames, wire
 from .envs import make_env
 from .models import ModelConfig, build_model
 from .spec import TrajectorySpec
@@ -192,12 +192,14 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
     envs = [make_env(run_info["env_id"], **run_info.get("env_kwargs", {})) for _ in range(K)]
     obs = np.stack([env.reset(seed=int(seeds[k]))[0] for k, env in enumerate(envs)]).astype(spec.obs_dtype)
     buf = {f.name: np.zeros((K, *f.shape), f.dtype) for f in spec.fields}
+    # Observations [K, T+1, *obs_shape]; with frame_stack they are packed into buf["frames"] before sending.
+    obs_buf = np.zeros((K, T + 1, *spec.obs_shape), spec.obs_dtype) if spec.frame_stack else buf["obs"]
     ep_return, ep_length = np.zeros(K), np.zeros(K, np.int64)
     episodes: list[tuple[float, int]] = []
     seq = 0
     log.info("actor %d (%s): %d x %s, policy version %d", cfg.index, actor_id, K, run_info["env_id"], policy.version)
     while not stop.requested:
-        buf["obs"][:, 0] = obs
+        obs_buf[:, 0] = obs
         buf["truncation_value"][:] = 0.0
         for t in range(T):
             logits, _ = policy(obs)
@@ -224,7 +226,13 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
                 _, v = policy(np.stack([o for _, o in cut]).astype(spec.obs_dtype))
                 for (k, _), value in zip(cut, v, strict=True):
                     buf["truncation_value"][k, t] = value
-            buf["obs"][:, t + 1] = obs
+            obs_buf[:, t + 1] = obs
+        if spec.frame_stack:
+            try:
+                buf["frames"][:] = frames.pack(obs_buf, buf["terminated"] | buf["truncated"])
+            except ValueError as e:
+                log.error("actor %d: %s", cfg.index, e)
+                return 2
         for lo in range(0, K, per_message):  # the learner caps trajectories per message
             part = buf if per_message >= K else {name: a[lo:lo + per_message] for name, a in buf.items()}
             msg = wire.encode_trajectories(spec, actor_id=actor_id, seq=seq, policy_version=policy.version,

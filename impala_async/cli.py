@@ -59,7 +59,7 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
     import uvloop
 
     from . import wire
-    from .envs import make_env
+    from .envs import frame_stack_of, make_env
     from .learn import Learner
     from .procs import ActorProcesses, actor_argv
     from .server import LearnerServer
@@ -76,12 +76,14 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
         env = make_env(cfg.env, **cfg.env_kwargs_dict)
     except TypeError as e:  # an argument the environment does not take
         raise SystemExit(f"impala-async: --env {cfg.env} --env-kwargs {cfg.env_kwargs}: {e}") from None
-    spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, cfg.unroll_length)
+    spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, cfg.unroll_length,
+                                      frame_stack=frame_stack_of(env) if cfg.frame_dedup else 0)
     env.close()
     cfg.resolve_for(spec.trajectory_nbytes)
     learner = Learner(cfg, spec, device)
     if resumed is not None:
-        if TrajectorySpec.from_dict(resumed["spec"]) != spec:
+        if dataclasses.replace(TrajectorySpec.from_dict(resumed["spec"]), frame_stack=0) != \
+                dataclasses.replace(spec, frame_stack=0):  # how frames travel may change; the network may not
             raise SystemExit(f"impala-async: the checkpoint's trajectory spec {resumed['spec']} differs from this "
                              f"run's {spec.to_dict()}: resume with the same --env and --unroll-length")
         learner.load_state_dict(resumed["learner"])

@@ -107,6 +107,8 @@ class LearnerConfig:
     max_actor_restarts: int = opt(10, "restarts of one local actor before it is given up")
     checkpoint_keep: int = opt(3, "checkpoints kept in logdir (older ones deleted)")
     # ---- modes
+    frame_dedup: int = opt(1, "1: observations that stack consecutive frames (Atari) travel and sit in the ring as "
+                              "single frames, 4x less data; 0: whole stacks")
     ingest_only: int = opt(0, "1: decode into the ring and release batches without training (load tests)")
     overlap_copies: int = opt(1, "CUDA: copy batch k+1 to the GPU on its own stream while batch k trains (0: serial)")
 

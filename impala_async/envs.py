@@ -47,6 +47,21 @@ def make_env(env_id: str, **kwargs) -> gym.Env:
     return FrameStackObservation(env, ATARI_STACK)
 
 
+def frame_stack_of(env: gym.Env) -> int:
+    """S if ``env``'s observations are its last S frames stacked oldest first, a new episode's stack repeating its
+    first frame (what :mod:`impala_async.frames` sends as single frames); 0 if not known to be."""
+    from gymnasium.wrappers import FrameStackObservation
+
+    while True:
+        if isinstance(env, FrameStackObservation):
+            return int(env.stack_size) if isinstance(env.padding_type, str) and env.padding_type == "reset" else 0
+        if isinstance(env, PongLike | ImageBandit):
+            return int(env.observation_space.shape[0])
+        if not isinstance(env, gym.Wrapper):
+            return 0
+        env = env.env
+
+
 SIZE = 84
 PADDLE_H, PADDLE_W, BALL = 12, 2, 2
 BACKGROUND, WALL, PADDLE_AGENT, PADDLE_OPP, BALL_COLOUR = 87, 236, 92, 213, 236

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import vtrace
+from . import frames, vtrace
 from .config import LearnerConfig
 from .metrics import RHO_BIN_EDGES
 from .models import ModelConfig, build_model
@@ -42,11 +42,15 @@ class Learner:
         return self.cfg.learning_rate * max(0.0, 1.0 - self.env_steps_trained / self.cfg.total_env_steps)
 
     def step(self, batch: dict[str, torch.Tensor]) -> dict:
-        """One update from a batch of ``B`` trajectories, batch-major as in the ring: ``obs [B, T+1, ...]``,
+        """One update from a batch of ``B`` trajectories, batch-major as in the ring: ``obs [B, T+1, ...]`` (or
+        ``frames [B, T+S, H, W]`` with a frame-stacking spec),
         ``action``/``reward``/``terminated``/``truncated``/``truncation_value`` ``[B, T]``,
         ``behaviour_logits [B, T, A]``. Returns float statistics."""
         cfg = self.cfg
-        obs = batch["obs"]
+        if self.spec.frame_stack:
+            obs = frames.unstack(batch["frames"], batch["terminated"], batch["truncated"], self.spec.frame_stack)
+        else:
+            obs = batch["obs"]
         B, T1 = obs.shape[:2]
         T = T1 - 1
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):

@@ -51,12 +51,17 @@ class TrajectorySpec:
         truncation_value  [T]                float32     V_mu(final observation) where truncated, else 0
         behaviour_logits  [T, A]             float32     logits of mu at x_t
     After a terminated or truncated step, ``obs[t+1]`` is the first observation of the next episode.
+
+    With ``frame_stack = S`` (uint8 observations ``[S, H, W]`` that stack consecutive frames), ``obs`` is replaced by
+        frames            [T+S, H, W]        uint8       the first stack, then each later observation's newest frame
+    from which :func:`impala_async.frames.unstack` rebuilds ``obs``.
     """
 
     obs_shape: tuple[int, ...]
     obs_dtype: str
     num_actions: int
     unroll_length: int
+    frame_stack: int = 0
 
     def __post_init__(self):
         if self.obs_dtype not in OBS_DTYPES:
@@ -67,14 +72,21 @@ class TrajectorySpec:
             raise ValueError(f"unroll_length must be >= 1, got {self.unroll_length}")
         if any(d < 1 for d in self.obs_shape):
             raise ValueError(f"obs_shape must have positive dimensions, got {self.obs_shape}")
+        if self.frame_stack and not (self.frame_stack >= 2 and self.obs_dtype == "uint8" and len(self.obs_shape) == 3
+                                     and self.obs_shape[0] == self.frame_stack):
+            raise ValueError(f"frame_stack={self.frame_stack} needs uint8 observations [frame_stack, H, W] with "
+                             f"frame_stack >= 2, got {self.obs_dtype} {self.obs_shape}")
 
     @cached_property
     def fields(self) -> tuple[FieldSpec, ...]:
         T, A = self.unroll_length, self.num_actions
         obs_check = CHECK_FINITE if self.obs_dtype == "float32" else CHECK_NONE
         le = np.dtype(self.obs_dtype).newbyteorder("<")
+        S = self.frame_stack
+        first = (FieldSpec("frames", le, (T + S, *self.obs_shape[1:]), CHECK_NONE) if S else
+                 FieldSpec("obs", le, (T + 1, *self.obs_shape), obs_check))
         return (
-            FieldSpec("obs", le, (T + 1, *self.obs_shape), obs_check),
+            first,
             FieldSpec("action", np.dtype("<i4"), (T,), CHECK_ACTION),
             FieldSpec("reward", np.dtype("<f4"), (T,), CHECK_FINITE),
             FieldSpec("terminated", np.dtype("u1"), (T,), CHECK_FLAG),
@@ -93,15 +105,16 @@ class TrajectorySpec:
 
     def to_dict(self) -> dict:
         return {"obs_shape": list(self.obs_shape), "obs_dtype": self.obs_dtype,
-                "num_actions": self.num_actions, "unroll_length": self.unroll_length}
+                "num_actions": self.num_actions, "unroll_length": self.unroll_length, "frame_stack": self.frame_stack}
 
     @classmethod
     def from_dict(cls, d: dict) -> TrajectorySpec:
         return cls(obs_shape=tuple(int(x) for x in d["obs_shape"]), obs_dtype=str(d["obs_dtype"]),
-                   num_actions=int(d["num_actions"]), unroll_length=int(d["unroll_length"]))
+                   num_actions=int(d["num_actions"]), unroll_length=int(d["unroll_length"]),
+                   frame_stack=int(d.get("frame_stack", 0)))
 
     @classmethod
-    def from_spaces(cls, observation_space, action_space, unroll_length: int) -> TrajectorySpec:
+    def from_spaces(cls, observation_space, action_space, unroll_length: int, frame_stack: int = 0) -> TrajectorySpec:
         """From gymnasium spaces: a Box observation (float or uint8) and a Discrete action space."""
         n = getattr(action_space, "n", None)
         if n is None:
@@ -109,4 +122,4 @@ class TrajectorySpec:
         dtype = np.dtype(observation_space.dtype)
         obs_dtype = "uint8" if dtype == np.uint8 else "float32"
         return cls(obs_shape=tuple(observation_space.shape), obs_dtype=obs_dtype, num_actions=int(n),
-                   unroll_length=unroll_length)
+                   unroll_length=unroll_length, frame_stack=frame_stack)

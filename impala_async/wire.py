@@ -96,7 +96,7 @@ def encode_trajectories(spec: TrajectorySpec, *, actor_id: str, seq: int, policy
     Each field travels as one payload holding all ``n`` trajectories (trajectory-major)."""
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
-    n = len(arrays["obs"])
+    n = len(arrays[spec.fields[0].name])
     fields = {}
     for f in spec.fields:
         a = np.ascontiguousarray(arrays[f.name], dtype=f.dtype)

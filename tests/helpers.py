@@ -15,8 +15,12 @@ def random_arrays(spec: TrajectorySpec, n: int, seed: int = 0) -> dict[str, np.n
         obs = rng.normal(size=(n, T + 1, *spec.obs_shape)).astype(np.float32)
     terminated = (rng.random((n, T)) < 0.2).astype(np.uint8)
     truncated = ((rng.random((n, T)) < 0.1) & (terminated == 0)).astype(np.uint8)
+    first = {"obs": obs}
+    if spec.frame_stack:  # any frames are valid: every stack is rebuilt from them
+        S = spec.frame_stack
+        first = {"frames": rng.integers(0, 256, (n, T + S, *spec.obs_shape[1:]), dtype=np.uint8)}
     return {
-        "obs": obs,
+        **first,
         "action": rng.integers(0, A, (n, T)).astype(np.int32),
         "reward": rng.normal(size=(n, T)).astype(np.float32),
         "terminated": terminated,

@@ -8,7 +8,10 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 from procutil import cli, read_metrics, stop, tail
+
+from impala_async import checkpoint
 
 pytest.importorskip("ale_py")
 pytest.importorskip("cv2")
@@ -63,3 +66,5 @@ def test_train_pong_end_to_end(tmp_path):
     assert last["env_steps_trained"] >= 400 and last["learner_steps"] >= 10
     assert last["trajectories_rejected"] == 0
     assert last["loss_pg"] is not None and np.isfinite(last["grad_norm"])
+    state = torch.load(checkpoint.list_checkpoints(logdir)[-1], weights_only=True)
+    assert state["spec"]["frame_stack"] == 4, "Atari frames should travel one at a time (--frame-dedup 1)"

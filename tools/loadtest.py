@@ -45,7 +45,7 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     import numpy as np
     import zmq
 
-    from impala_async import wire
+    from impala_async import frames, wire
     from impala_async.envs import make_env
     from impala_async.spec import TrajectorySpec
 
@@ -83,6 +83,7 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     trajectories = []
     for _ in range(a.distinct):
         arrays = {f.name: np.zeros(f.shape, f.dtype) for f in spec.fields}
+        arrays["obs"] = np.zeros((T + 1, *spec.obs_shape), spec.obs_dtype)
         arrays["obs"][0] = obs
         for t in range(T):
             action = int(rng.integers(spec.num_actions))
@@ -93,6 +94,9 @@ def synthetic_actor(a: argparse.Namespace) -> int:
             if term or trunc:
                 obs, _ = env.reset()
             arrays["obs"][t + 1] = obs
+        if spec.frame_stack:  # single frames on the wire, as real actors send them
+            done = arrays["terminated"] | arrays["truncated"]
+            arrays["frames"] = frames.pack(arrays.pop("obs")[None], done[None])[0]
         trajectories.append(arrays)
     # Pre-encoded payloads of distinct messages: each field of n trajectories is one block (docs/protocol.md).
     distinct = []
