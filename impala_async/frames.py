@@ -18,8 +18,12 @@ differently is refused by the actor rather than trained on wrong pictures.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # pack is numpy only: processes that never unstack (synthetic actors) skip importing torch
+    import torch
 
 
 def pack(obs: np.ndarray, done: np.ndarray) -> np.ndarray:
@@ -50,6 +54,8 @@ def pack(obs: np.ndarray, done: np.ndarray) -> np.ndarray:
 
 def unstack(frames: torch.Tensor, terminated: torch.Tensor, truncated: torch.Tensor, S: int) -> torch.Tensor:
     """``frames [B, T+S, H, W]``, ``terminated``/``truncated [B, T]`` -> ``obs [B, T+1, S, H, W]`` on their device."""
+    import torch
+
     B, TS = frames.shape[:2]
     T = TS - S
     done = (terminated != 0) | (truncated != 0)
