@@ -2,7 +2,17 @@
 
 import numpy as np
 
-from impala_async.spec import TrajectorySpec
+from impala_async import wire
+from impala_async.spec import CHECK_ACTION, CHECK_FINITE, CHECK_FLAG, TrajectorySpec
+
+# The decoder fuzzing of tests/test_fuzz.py and tools/fuzz_decoder.py: a vector-observation spec (float obs, checked
+# for finiteness) and a small image spec (uint8 obs, any byte valid), under small limits.
+FUZZ_SPECS = {
+    "vector": TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=3, unroll_length=5),
+    "image": TrajectorySpec(obs_shape=(2, 3, 3), obs_dtype="uint8", num_actions=6, unroll_length=4),
+}
+FUZZ_LIMITS = wire.WireLimits(max_message_bytes=1 << 20, max_trajectories_per_message=8,
+                              max_episodes_per_message=16, max_actor_id_bytes=64)
 
 
 def random_arrays(spec: TrajectorySpec, n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -28,3 +38,15 @@ def random_arrays(spec: TrajectorySpec, n: int, seed: int = 0) -> dict[str, np.n
         "truncation_value": (truncated * rng.normal(size=(n, T))).astype(np.float32),
         "behaviour_logits": rng.normal(size=(n, T, A)).astype(np.float32),
     }
+
+
+def assert_values_allowed(spec: TrajectorySpec, dest: dict[str, np.ndarray]) -> None:
+    """Decoded arrays hold only what the spec allows: floats finite, actions in range, flags 0 or 1."""
+    for f in spec.fields:
+        a = dest[f.name]
+        if f.check == CHECK_FINITE:
+            assert np.isfinite(a).all(), f.name
+        elif f.check == CHECK_ACTION:
+            assert ((a >= 0) & (a < spec.num_actions)).all(), f.name
+        elif f.check == CHECK_FLAG:
+            assert np.isin(a, (0, 1)).all(), f.name

@@ -15,20 +15,14 @@ import lz4.block
 import msgpack
 import numpy as np
 import pytest
-from helpers import random_arrays
+from helpers import FUZZ_LIMITS, FUZZ_SPECS, assert_values_allowed, random_arrays
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from impala_async import wire
 from impala_async.spec import CHECK_ACTION, CHECK_FINITE, CHECK_FLAG, TrajectorySpec
 
-# A vector-observation spec (float obs, checked for finiteness) and a small image spec (uint8 obs, any byte valid).
-SPECS = {
-    "vector": TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=3, unroll_length=5),
-    "image": TrajectorySpec(obs_shape=(2, 3, 3), obs_dtype="uint8", num_actions=6, unroll_length=4),
-}
-LIMITS = wire.WireLimits(max_message_bytes=1 << 20, max_trajectories_per_message=8, max_episodes_per_message=16,
-                         max_actor_id_bytes=64)
+SPECS, LIMITS = FUZZ_SPECS, FUZZ_LIMITS
 # The decoder finds NaN and infinity as a NaN dot product; numpy warns about it, which is expected here.
 DECODERS = {name: wire.TrajectoryDecoder(spec, LIMITS) for name, spec in SPECS.items()}
 FUZZ = settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -75,14 +69,7 @@ def assert_invariants(spec: TrajectorySpec, msg: wire.TrajectoryMessage, dest: d
     assert len(msg.episodes) <= LIMITS.max_episodes_per_message
     for ret, length in msg.episodes:
         assert type(ret) in (int, float) and np.isfinite(ret) and type(length) is int and length >= 1
-    for f in spec.fields:
-        a = dest[f.name]
-        if f.check == CHECK_FINITE:
-            assert np.isfinite(a).all(), f.name
-        elif f.check == CHECK_ACTION:
-            assert ((a >= 0) & (a < spec.num_actions)).all(), f.name
-        elif f.check == CHECK_FLAG:
-            assert np.isin(a, (0, 1)).all(), f.name
+    assert_values_allowed(spec, dest)
 
 
 # ------------------------------------------------------------------------------------------------ arbitrary bytes

@@ -27,32 +27,20 @@ with atheris.instrument_imports(include=["impala_async", "msgpack"]):
     import numpy as np
 
     from impala_async import wire
-    from impala_async.spec import CHECK_ACTION, CHECK_FINITE, CHECK_FLAG, TrajectorySpec
+    from impala_async.spec import TrajectorySpec
 
-SPECS = {
-    "vector": TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=3, unroll_length=5),
-    "image": TrajectorySpec(obs_shape=(2, 3, 3), obs_dtype="uint8", num_actions=6, unroll_length=4),
-}
-LIMITS = wire.WireLimits(max_message_bytes=1 << 20, max_trajectories_per_message=8, max_episodes_per_message=16)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers import FUZZ_LIMITS as LIMITS  # noqa: E402  (the same specs, limits and checks as tests/test_fuzz.py)
+from helpers import FUZZ_SPECS as SPECS  # noqa: E402
+from helpers import assert_values_allowed, random_arrays  # noqa: E402
+
 KEYS = ["v", "type", "actor", "seq", "policy_version", "n", "episodes", "fields", "sent_at_ns", "dtype", "shape",
         "codec", "data", "obs", "action", "reward", "terminated", "truncated", "truncation_value", "behaviour_logits"]
 
 
-def valid_arrays(spec: TrajectorySpec, n: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    T, A = spec.unroll_length, spec.num_actions
-    obs = (rng.integers(0, 256, (n, T + 1, *spec.obs_shape), dtype=np.uint8) if spec.obs_dtype == "uint8"
-           else rng.normal(size=(n, T + 1, *spec.obs_shape)).astype(np.float32))
-    return {"obs": obs, "action": rng.integers(0, A, (n, T)).astype(np.int32),
-            "reward": rng.normal(size=(n, T)).astype(np.float32),
-            "terminated": (rng.random((n, T)) < 0.2).astype(np.uint8), "truncated": np.zeros((n, T), np.uint8),
-            "truncation_value": np.zeros((n, T), np.float32),
-            "behaviour_logits": rng.normal(size=(n, T, A)).astype(np.float32)}
-
-
 def seed_messages(spec: TrajectorySpec) -> list[bytes]:
     return [wire.encode_trajectories(spec, actor_id=f"fuzz/{i}", seq=i, policy_version=1,
-                                     arrays=valid_arrays(spec, n, i), episodes=[(1.5, 3)] * (i % 2), codec=codec,
+                                     arrays=random_arrays(spec, n, seed=i), episodes=[(1.5, 3)] * (i % 2), codec=codec,
                                      sent_at_ns=10**18 if i % 2 else None)
             for i, (n, codec) in enumerate((n, c) for n in (1, 2, 3) for c in wire.CODECS)]
 
@@ -127,14 +115,7 @@ def check(spec: TrajectorySpec, decoder: wire.TrajectoryDecoder, data: bytes) ->
     except wire.Rejected:
         return
     assert 1 <= msg.n <= LIMITS.max_trajectories_per_message
-    for f in spec.fields:
-        a = dest[f.name]
-        if f.check == CHECK_FINITE:
-            assert np.isfinite(a).all(), f.name
-        elif f.check == CHECK_ACTION:
-            assert ((a >= 0) & (a < spec.num_actions)).all(), f.name
-        elif f.check == CHECK_FLAG:
-            assert np.isin(a, (0, 1)).all(), f.name
+    assert_values_allowed(spec, dest)
 
 
 def main() -> int:
