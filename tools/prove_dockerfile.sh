@@ -82,21 +82,22 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# run_in_image LOG ARGS...: the entry point with ARGS (none: the image's CMD), as the image's user, in its WORKDIR
+# run_in_image LIMIT_S LOG ARGS...: the entry point with ARGS (none: the image's CMD), as the image's user, in its
+# WORKDIR, stopped after LIMIT_S seconds
 run_in_image() {
-  local log=$1; shift
+  local limit=$1 log=$2; shift 2
   local args=("$@"); [ ${#args[@]} -gt 0 ] || args=("${default_cmd[@]}")
-  chroot --userspec="$uid:$uid" "$root" /usr/bin/env -i HOME="/home/$user" "${image_env[@]}" \
+  timeout -k 5 "$limit" chroot --userspec="$uid:$uid" "$root" /usr/bin/env -i HOME="/home/$user" "${image_env[@]}" \
     /bin/sh -c 'cd "$0" && exec "$@"' "$workdir" "${entrypoint[@]}" "${args[@]}" > "$log" 2>&1
 }
+
 best_return() {  # the best mean return in the newest metrics.jsonl under runs/
   python3 -c 'import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]
 print(max((r.get("episode_return_mean") or 0) for r in rows))' "$(ls -t "$WORK"/runs/*/metrics.jsonl | head -1)"
 }
 
 # 1. the default command, as `docker run impala-async` would run it
-rc=0; timeout 300 bash -c "$(declare -f run_in_image); $(declare -p root uid user workdir image_env entrypoint \
-  default_cmd); run_in_image $WORK/default.log" || rc=$?
+rc=0; run_in_image 300 "$WORK/default.log" || rc=$?
 best=$(best_return 2>/dev/null || echo 0)
 check "default CMD (${default_cmd[*]}) exits 0 [rc=$rc]" '[ "$rc" = 0 ]'
 check "default CMD learns CartPole: best mean return $best >= 475" "python3 -c 'import sys; sys.exit(float(\"$best\") < 475)'"
@@ -104,14 +105,12 @@ check "runs and checkpoints land in the mounted /data/runs, owned by uid $uid" \
   '[ -n "$(find "$WORK/runs" -name "checkpoint-*.pt" -user "$uid" | head -1)" ]'
 
 # 2. real Atari from the atari extra
-rc=0; timeout 300 bash -c "$(declare -f run_in_image); $(declare -p root uid user workdir image_env entrypoint \
-  default_cmd); run_in_image $WORK/pong.log train --env ALE/Pong-v5 --num-actors 1 --envs-per-actor 2 \
-  --unroll-length 20 --batch-size 2 --total-env-steps 400 --logdir /data/runs/pong" || rc=$?
+rc=0; run_in_image 300 "$WORK/pong.log" train --env ALE/Pong-v5 --num-actors 1 --envs-per-actor 2 \
+  --unroll-length 20 --batch-size 2 --total-env-steps 400 --logdir /data/runs/pong || rc=$?
 check "ALE/Pong-v5 trains on a tiny budget [rc=$rc]" '[ "$rc" = 0 ] && [ -s "$WORK/runs/pong/metrics.jsonl" ]'
 
 # 3. SIGTERM (docker stop): final checkpoint, exit 0, nothing left behind
-bash -c "$(declare -f run_in_image); $(declare -p root uid user workdir image_env entrypoint default_cmd); \
-  run_in_image $WORK/stop.log train --env CartPole-v1 --total-env-steps 100000000 --logdir /data/runs/stop" &
+run_in_image 300 "$WORK/stop.log" train --env CartPole-v1 --total-env-steps 100000000 --logdir /data/runs/stop &
 runner=$!
 deadline=$((SECONDS + 120))
 until [ -s "$WORK/runs/stop/metrics.jsonl" ] || [ $SECONDS -gt $deadline ]; do sleep 0.5; done
@@ -128,8 +127,7 @@ left=$(for p in /proc/[0-9]*; do [ "$(readlink "$p/root" 2>/dev/null)" = "$root"
 check "SIGTERM: no process left in the image [${left:-none}]" '[ -z "$left" ]'
 
 # 4. refusal to listen publicly without CURVE
-rc=0; timeout 120 bash -c "$(declare -f run_in_image); $(declare -p root uid user workdir image_env entrypoint \
-  default_cmd); run_in_image $WORK/refuse.log learner --listen tcp://0.0.0.0:5555" || rc=$?
+rc=0; run_in_image 120 "$WORK/refuse.log" learner --listen tcp://0.0.0.0:5555 || rc=$?
 check "learner on 0.0.0.0 without --curve-keys refuses to start [rc=$rc]" \
   '[ "$rc" != 0 ] && [ "$rc" != 124 ] && grep -qi curve "$WORK/refuse.log"'
 
