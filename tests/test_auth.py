@@ -4,6 +4,7 @@ Rejections are checked twice: the server's socket monitor must report the failed
 a timeout), and then polling the server for ``NOTHING_ARRIVES_S`` must get nothing.
 """
 
+import contextlib
 import os
 import shutil
 import stat
@@ -74,6 +75,26 @@ def _wait_for_event(monitor: zmq.Socket, wanted: set[int], timeout_s: float = EV
             if event in wanted:
                 return event
     raise AssertionError(f"none of the monitor events {_names(wanted)} within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def _curve_server(context: zmq.Context, key_dirs, kind: int):
+    """A CURVE server socket of ``kind`` behind the learner's thread authenticator, bound on loopback and monitored:
+    yields (socket, monitor, endpoint) and closes all three, then the authenticator."""
+    keys = auth.load_learner_keys(key_dirs.learner)
+    authenticator = auth.start_thread_authenticator(context, keys)
+    try:
+        server = context.socket(kind)
+        auth.make_curve_server(server, keys)
+        monitor = server.get_monitor_socket()
+        try:
+            yield server, monitor, _bind_local(server)
+        finally:
+            server.disable_monitor()
+            monitor.close(0)
+            server.close(0)
+    finally:
+        auth.stop_authenticator(authenticator)
 
 
 def _names(events: set[int]) -> list[str]:
@@ -173,13 +194,7 @@ def test_thread_authenticator_names_the_sender(key_dirs, sync_context):
     ("plain", {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}),
 ])
 def test_rejected_push_delivers_nothing(key_dirs, sync_context, client, rejections):
-    keys = auth.load_learner_keys(key_dirs.learner)
-    authenticator = auth.start_thread_authenticator(sync_context, keys)
-    try:
-        pull = sync_context.socket(zmq.PULL)
-        auth.make_curve_server(pull, keys)
-        monitor = pull.get_monitor_socket()
-        endpoint = _bind_local(pull)
+    with _curve_server(sync_context, key_dirs, zmq.PULL) as (pull, monitor, endpoint):
         rejected = _client(sync_context, zmq.PUSH, endpoint, key_dirs.stranger if client == "stranger" else None)
         rejected.send(b"intruder")
         outcome = _wait_for_event(monitor, rejections | {zmq.EVENT_HANDSHAKE_SUCCEEDED})
@@ -190,21 +205,12 @@ def test_rejected_push_delivers_nothing(key_dirs, sync_context, client, rejectio
         assert pull.poll(EVENT_TIMEOUT_S * 1000), "the admitted client's message did not arrive"
         frame = pull.recv(copy=False)
         assert (frame.bytes, frame.get("User-Id")) == (b"trajectory", ACTOR_NAME)
-        pull.disable_monitor()
-        for socket in (monitor, rejected, admitted, pull):
+        for socket in (rejected, admitted):
             socket.close(0)
-    finally:
-        auth.stop_authenticator(authenticator)
 
 
 def test_pub_reaches_only_admitted_subscribers(key_dirs, sync_context):
-    keys = auth.load_learner_keys(key_dirs.learner)
-    authenticator = auth.start_thread_authenticator(sync_context, keys)
-    try:
-        pub = sync_context.socket(zmq.PUB)
-        auth.make_curve_server(pub, keys)
-        monitor = pub.get_monitor_socket()
-        endpoint = _bind_local(pub)
+    with _curve_server(sync_context, key_dirs, zmq.PUB) as (pub, monitor, endpoint):
         admitted = _client(sync_context, zmq.SUB, endpoint, key_dirs.actor)
         stranger = _client(sync_context, zmq.SUB, endpoint, key_dirs.stranger)
         _wait_for_event(monitor, {zmq.EVENT_HANDSHAKE_FAILED_AUTH})
@@ -222,11 +228,8 @@ def test_pub_reaches_only_admitted_subscribers(key_dirs, sync_context):
             while admitted.poll(0):
                 admitted_received += admitted.recv() == b"weights"
         assert admitted_received > 0
-        pub.disable_monitor()
-        for socket in (monitor, admitted, stranger, pub):
+        for socket in (admitted, stranger):
             socket.close(0)
-    finally:
-        auth.stop_authenticator(authenticator)
 
 
 def test_curve_server_without_authenticator_fails_closed(key_dirs, sync_context):
