@@ -1,0 +1,239 @@
+"""docs/protocol.md, "The network (rebuilding the policy from the weights)", implemented in numpy from that page alone.
+
+``forward`` below takes ``run.model`` (a dict) and ``tensors`` (numpy arrays, received through the real wire format:
+``wire.encode_weights`` then ``wire.decode_weights``) and must give the torch network's logits and values to 1e-5 for
+every model kind, with all parameters perturbed (biases non-zero). No torch inside it; convolutions are an im2col by
+stride tricks. ``expected_shapes`` is the page's tensor tables. ``test_the_check_can_fail`` shows that plausible
+misreadings of the page (the activation left out after the last hidden layer, one torso for both heads, H-W-C
+flattening, a flipped kernel, no input scaling) do not match, so a match means something.
+
+Model kinds added later (the pixels issue adds a MinAtar net, an IMPALA deep ResNet and an LSTM core) must be added to
+the doc section and to this test: their ``run.model`` keys, ``expected_shapes``, ``forward`` and ``CASES``.
+"""
+
+import inspect
+import json
+
+import numpy as np
+import pytest
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from impala_async import wire
+from impala_async.models import MODEL_KEYS, ModelConfig, build_model
+from impala_async.spec import TrajectorySpec
+
+MAX_BYTES = 64 << 20
+F32 = np.float32
+ACT = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, F32(0)),
+       "elu": lambda x: np.where(x > 0, x, np.expm1(np.minimum(x, 0)))}  # exp(x) - 1 for x <= 0
+NATURE = {"kind": "conv", "input_scale": 0.00392156862745098,  # the page's Atari run.model
+          "conv_layers": [[32, 8, 4, 0], [64, 4, 2, 0], [64, 3, 1, 0]], "fc_size": 512, "activation": "relu"}
+
+
+# ---------------------------------------------------------------------------------- from the page, numpy only
+def expected_shapes(model: dict, obs_shape, num_actions: int) -> dict[str, tuple]:
+    """The page's tensor tables: name -> shape, exactly these names."""
+    A = num_actions
+    if model["kind"] == "mlp":
+        h = [int(np.prod(obs_shape)), *model["hidden_sizes"]]
+        out = {f"{torso}.{2 * i}.{p}": (h[i + 1], h[i]) if p == "weight" else (h[i + 1],)
+               for torso in ("policy_torso", "value_torso") for i in range(len(h) - 1) for p in ("weight", "bias")}
+        width = h[-1]
+    else:
+        c, H, W = obs_shape
+        out = {}
+        for j, (o, k, s, p) in enumerate(model["conv_layers"]):
+            out[f"torso.{2 * j}.weight"], out[f"torso.{2 * j}.bias"] = (o, c, k, k), (o,)
+            c, H, W = o, (H + 2 * p - k) // s + 1, (W + 2 * p - k) // s + 1
+        width = model["fc_size"]
+        out["fc.0.weight"], out["fc.0.bias"] = (width, c * H * W), (width,)
+    out.update({"policy_head.weight": (A, width), "policy_head.bias": (A,),
+                "value_head.weight": (1, width), "value_head.bias": (1,)})
+    return out
+
+
+def linear(x, t, name):
+    """y = x W^T + b, W [out, in]."""
+    return x @ t[f"{name}.weight"].T + t[f"{name}.bias"]
+
+
+def conv2d(x, w, b, stride: int, padding: int):
+    """Cross-correlation of x [N, in, H, W] with w [out, in, k, k], zero padding on every side, then stride."""
+    x = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    k = w.shape[2]
+    windows = sliding_window_view(x, (k, k), axis=(2, 3))[:, :, ::stride, ::stride]  # [N, in, H', W', k, k]
+    return np.einsum("nchwuv,ocuv->nohw", windows, w, optimize=True) + b[None, :, None, None]
+
+
+def forward(model: dict, t: dict, obs: np.ndarray, mutant: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(logits [N, A], values [N]) as the page says; ``mutant`` names a misreading of it, for the negative tests."""
+    act = ACT[model["activation"]]
+    last_act = (lambda x: x) if mutant == "no_last_activation" else act
+    n = obs.shape[0]
+    if model["kind"] == "mlp":
+        x = obs.astype(F32).reshape(n, -1)
+        L = len(model["hidden_sizes"])
+        out = {}
+        for torso in ("policy_torso", "value_torso"):
+            h = x
+            for i in range(L):
+                source = "policy_torso" if mutant == "shared_torso" else torso
+                h = (act if i < L - 1 else last_act)(linear(h, t, f"{source}.{2 * i}"))
+            out[torso] = h
+        p, v = out["policy_torso"], out["value_torso"]
+    elif model["kind"] == "conv":
+        x = obs.astype(F32) * (F32(1) if mutant == "no_input_scale" else F32(model["input_scale"]))
+        for j, (_out, _k, stride, padding) in enumerate(model["conv_layers"]):
+            w = t[f"torso.{2 * j}.weight"]
+            w = w[:, :, ::-1, ::-1] if mutant == "flipped_kernel" else w
+            x = act(conv2d(x, w, t[f"torso.{2 * j}.bias"], stride, padding))
+        x = (x.transpose(0, 2, 3, 1) if mutant == "flatten_hwc" else x).reshape(n, -1)  # C order: C, H, W
+        p = v = last_act(linear(x, t, "fc.0"))
+    else:
+        raise ValueError(f"unknown model kind {model['kind']!r}")
+    return linear(p, t, "policy_head"), linear(v, t, "value_head")[:, 0]
+
+
+# ---------------------------------------------------------------------------------- the torch side
+def _mlp(obs_shape, hidden, activation, A=5):
+    return TrajectorySpec(obs_shape=obs_shape, obs_dtype="float32", num_actions=A, unroll_length=4), \
+        ModelConfig(hidden_sizes=hidden, activation=activation)
+
+
+def _conv(obs_shape, A, model: dict | None = None):
+    spec = TrajectorySpec(obs_shape=obs_shape, obs_dtype="uint8", num_actions=A, unroll_length=4)
+    return spec, ModelConfig() if model is None else ModelConfig.from_dict(model)
+
+
+CASES = {
+    **{f"mlp-{act}-{'x'.join(map(str, hidden))}": _mlp(shape, hidden, act)
+       for act in ("tanh", "relu", "elu") for shape, hidden in (((4,), (64, 64)), ((3, 5), (16, 8, 24)))},
+    "conv-atari": _conv((4, 84, 84), 6),
+    "conv-small-image": _conv((3, 44, 52), 4),  # 64 x 2 x 3 after the convolutions
+    "conv-padded-elu": _conv((2, 11, 9), 3, {"kind": "conv", "input_scale": 1 / 255, "conv_layers": [
+        [8, 3, 1, 1], [16, 3, 2, 1]], "fc_size": 32, "activation": "elu"}),
+}
+MUTANTS = {"mlp": ("no_last_activation", "shared_torso"),
+           "conv": ("no_last_activation", "flatten_hwc", "flipped_kernel", "no_input_scale")}
+
+
+def _published(name: str, seed: int = 0):
+    """The torch network with every parameter perturbed, and the weights message the learner would publish for it."""
+    spec, cfg = CASES[name]
+    torch.manual_seed(seed)
+    net = build_model(spec, cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in net.parameters():  # about the init's own scale, biases included, heads made to matter
+            fan_in = p[0].numel() if p.dim() > 1 else 10
+            p.add_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+    run_info = {"protocol": wire.PROTOCOL_VERSION, "spec": spec.to_dict(), "model": cfg.resolved(spec).to_dict()}
+    tensors = {k: v.numpy() for k, v in net.state_dict().items()}
+    # encode_weights gained an incarnation argument while this test was written; pass one when it takes it
+    extra = {"incarnation": 1} if "incarnation" in inspect.signature(wire.encode_weights).parameters else {}
+    buf = wire.encode_weights(3, tensors, run_info, **extra)
+    return spec, net.eval(), wire.decode_weights(buf, MAX_BYTES)
+
+
+def _inputs(spec: TrajectorySpec, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if spec.obs_dtype == "uint8":
+        obs = rng.integers(0, 256, (4, *spec.obs_shape), dtype=np.uint8)
+        obs[0], obs[1] = 0, 255
+        return obs
+    return (rng.standard_normal((8, *spec.obs_shape)) * 2).astype(F32)
+
+
+def _torch(net, obs):
+    with torch.inference_mode():
+        logits, values = net(torch.from_numpy(obs))
+    return logits.numpy(), values.numpy()
+
+
+def _close(a, b) -> bool:
+    return a.shape == b.shape and np.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_numpy_forward_from_doc_matches_torch(name):
+    spec, net, msg = _published(name)
+    model, tensors = msg.run_info["model"], msg.tensors
+    assert {k: v.shape for k, v in tensors.items()} == expected_shapes(model, spec.obs_shape, spec.num_actions)
+    assert all(v.dtype == F32 for v in tensors.values())
+    for seed in range(3):
+        obs = _inputs(spec, seed)
+        want_logits, want_values = _torch(net, obs)
+        assert np.abs(want_logits).max() > 0.1 and np.abs(want_values).max() > 0.1, "outputs too small to test"
+        logits, values = forward(model, tensors, obs)
+        assert logits.dtype == F32 and values.dtype == F32
+        assert logits.shape == (len(obs), spec.num_actions) and values.shape == (len(obs),)
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(values, want_values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,mutant", [(name, m) for name, (spec, cfg) in CASES.items()
+                                         for m in MUTANTS[cfg.resolved(spec).kind]])
+def test_the_check_can_fail(name, mutant):
+    """A misreading of the page gives other logits or values: the match above is not vacuous."""
+    spec, net, msg = _published(name)
+    obs = _inputs(spec, 0)
+    want_logits, want_values = _torch(net, obs)
+    logits, values = forward(msg.run_info["model"], msg.tensors, obs, mutant=mutant)
+    assert not (_close(logits, want_logits) and _close(values, want_values)), f"{mutant} went unnoticed"
+
+
+def test_run_model_says_what_is_built():
+    atari = TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=4)
+    vector = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=4)
+    learner_cfg = ModelConfig(hidden_sizes=(32, 32), activation="tanh")  # as impala_async.learn.model_config makes it
+    conv = learner_cfg.resolved(atari).to_dict()
+    assert conv == NATURE and set(conv) == set(MODEL_KEYS["conv"])
+    assert "hidden_sizes" not in conv and "tanh" not in json.dumps(conv)
+    assert learner_cfg.resolved(vector).to_dict() == {"kind": "mlp", "hidden_sizes": [32, 32], "activation": "tanh"}
+    with pytest.raises(ValueError, match="auto"):
+        learner_cfg.to_dict()  # a request, no network yet
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_from_dict_rebuilds_the_same_network(name):
+    spec, net, msg = _published(name)
+    cfg = CASES[name][1].resolved(spec)
+    assert ModelConfig.from_dict(msg.run_info["model"]) == cfg == ModelConfig.from_dict(cfg.to_dict())
+    rebuilt = build_model(spec, ModelConfig.from_dict(msg.run_info["model"])).eval()
+    rebuilt.load_state_dict({k: torch.from_numpy(v) for k, v in msg.tensors.items()})  # strict: same names, shapes
+    obs = _inputs(spec, 1)
+    for a, b in zip(_torch(rebuilt, obs), _torch(net, obs), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("model,match", [
+    ({"kind": "lstm", "hidden_sizes": [64]}, "unknown model kind 'lstm'"),
+    ({"kind": "auto", "hidden_sizes": [64], "activation": "tanh"}, "unknown model kind 'auto'"),
+    ({"hidden_sizes": [64], "activation": "tanh"}, "unknown model kind None"),
+    ({"kind": "conv", "hidden_sizes": [64, 64], "activation": "tanh"}, "missing.*unknown key.*'hidden_sizes'"),
+    ({**NATURE, "dropout": 0.1}, "unknown key.*'dropout'"),
+    ({"kind": "mlp", "hidden_sizes": [64, 64]}, "missing activation"),
+    ({"kind": "mlp", "hidden_sizes": [64, 64], "activation": "gelu"}, "activation"),
+    ({"kind": "mlp", "hidden_sizes": [], "activation": "tanh"}, "hidden_sizes"),
+    ({"kind": "mlp", "hidden_sizes": [64, True], "activation": "tanh"}, "hidden_sizes"),
+    ({"kind": "mlp", "hidden_sizes": "64,64", "activation": "tanh"}, "hidden_sizes"),
+    ({**NATURE, "conv_layers": [[32, 8, 4]]}, "out_channels, kernel, stride, padding"),
+    ({**NATURE, "conv_layers": [[32, 8, 0, 0]]}, "stride"),
+    ({**NATURE, "fc_size": 512.0}, "fc_size"),
+    ({**NATURE, "input_scale": float("nan")}, "input_scale"),
+    ([("kind", "mlp")], "must be a map"),
+])
+def test_unknown_or_malformed_run_model_is_refused(model, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_dict(model)
+
+
+def test_a_concrete_kind_takes_only_its_own_fields():
+    with pytest.raises(ValueError, match="does not use fc_size"):
+        ModelConfig(kind="mlp", fc_size=256)
+    with pytest.raises(ValueError, match="does not use hidden_sizes, activation"):
+        ModelConfig(kind="conv", hidden_sizes=(8,), activation="elu")
+    spec = TrajectorySpec(obs_shape=(1, 6, 6), obs_dtype="uint8", num_actions=2, unroll_length=4)
+    with pytest.raises(ValueError, match="too small"):
+        build_model(spec, ModelConfig())
