@@ -20,6 +20,18 @@ Actor key directory (``--curve-keys DIR`` on an actor machine)::
     DIR/actor.key                its public key: copy it to the learner as DIR/allowed/NAME.key
     DIR/learner.key              the learner's public key
 
+What is checked when keys are loaded (as OpenSSH's StrictModes does; a refusal names the path and the fix):
+
+- the key directory and ``allowed/``: owned by you or root, not writable by group or others (mode bits 0o022);
+- ``*.key_secret``: a regular file owned by you (the effective uid), no access for group or others (0600 or 0400);
+- ``allowed/*.key`` and the actor's ``learner.key``: regular files owned by you or root, not writable by group or
+  others (a public key may be readable by anyone).
+
+Symbolic links: a key directory given on the command line (or ``allowed/``) may be a link; the directory it leads to
+is checked. A key file must not be a link: the checks on its directory are what keep others from swapping it, and a
+link would lead out of that protection (replace it with a copy). Directories above the key directory are not checked.
+Refusals are ``UnsafeKeyFileError``, both a PermissionError and a ValueError.
+
 Each received message carries the ZAP User-Id of its sender: ``frame.get("User-Id")`` on a frame received with
 ``recv(copy=False)`` is the actor's NAME, so the learner can bind actor ids to keys.
 
@@ -33,7 +45,9 @@ import datetime
 import ipaddress
 import logging
 import os
+import pwd
 import re
+import shlex
 import stat
 import struct
 from dataclasses import dataclass, field
@@ -57,6 +71,8 @@ Z85_KEY_CHARS = 40  # a 32-byte Curve25519 key in z85
 SECRET_FILE_MODE = 0o600
 KEY_DIR_MODE = 0o700
 PUBLIC_FILE_MODE = 0o644
+WRITABLE_BY_OTHERS = 0o022  # group or others may write
+_KEYGEN_HINT = "; create the key pair with `impala-async keygen DIR` (the key layout is in README.md, Security)"
 KEY_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 _PUBLIC_BANNER = """#   ****  Generated on {now} by impala-async  ****
@@ -91,13 +107,14 @@ def _write_new_file(path: Path, text: str, mode: int) -> None:
 def keygen(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
     """Write a new key pair: ``directory/name.key`` (public) and ``directory/name.key_secret`` (mode 0600).
 
-    Creates ``directory`` with mode 0700 if missing. Refuses to overwrite either file (FileExistsError). Returns
-    ``(public_path, secret_path)``.
+    Creates ``directory`` with mode 0700 if missing; refuses an existing one that fails ``check_key_directory``, and
+    to overwrite either file (FileExistsError). Returns ``(public_path, secret_path)``.
     """
     if not KEY_NAME_PATTERN.fullmatch(name):
         raise ValueError(f"key name {name!r}: use letters, digits, '.', '_' and '-', starting with a letter or digit")
     directory = Path(directory)
     directory.mkdir(mode=KEY_DIR_MODE, parents=True, exist_ok=True)
+    check_key_directory(directory)  # an existing one too: write no key the loaders would refuse
     public_path = directory / f"{name}{PUBLIC_SUFFIX}"
     secret_path = directory / f"{name}{SECRET_SUFFIX}"
     for path in (public_path, secret_path):
@@ -114,21 +131,69 @@ def keygen(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
     return public_path, secret_path
 
 
-def check_secret_file(path: str | os.PathLike) -> None:
-    """Raise unless ``path`` exists and only its owner may read or write it.
+class UnsafeKeyFileError(PermissionError, ValueError):
+    """A key file or directory that others could read or change. An OSError and a ValueError, so that each caller's
+    ``except (ValueError, OSError)``, and ``keygen``'s ``except ValueError``, turns it into one line."""
 
-    FileNotFoundError if it is missing; PermissionError (saying ``chmod 600``) if group or others have any access.
-    """
+
+def _user(uid: int) -> str:
     try:
-        mode = os.stat(path).st_mode
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _who(uid: int) -> str:
+    return f"uid {uid}" if _user(uid) == str(uid) else f"uid {uid} ({_user(uid)})"
+
+
+def _check(path: str | os.PathLike, what: str, *, is_dir: bool = False, root_ok: bool = True, forbidden: int =
+           WRITABLE_BY_OTHERS, fix: str = "go-w", missing: str = "") -> None:
+    """Raise unless ``path`` is a directory (``is_dir``, a link is followed) or a regular file that is not a link,
+    owned by the effective uid (or root, with ``root_ok``), with none of the ``forbidden`` mode bits."""
+    quoted = shlex.quote(str(path))
+    try:
+        st = os.stat(path) if is_dir else os.lstat(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"secret key file {path} not found; create the key pair with "
-                                f"`impala-async keygen DIR` (the key layout is in README.md, Security)") from None
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"secret key file {path} is not a regular file")
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise PermissionError(f"secret key file {path} is accessible by group or others (mode "
-                              f"{stat.S_IMODE(mode):04o}); fix it with: chmod 600 {path}")
+        raise FileNotFoundError(f"{what} {path} not found{missing}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeKeyFileError(f"{what} {path} is a symbolic link: a key file must be a regular file in its key "
+                                 f"directory; replace the link with a copy: rm {quoted} && cp "
+                                 f"{shlex.quote(os.path.realpath(path))} {quoted}")
+    if not (stat.S_ISDIR if is_dir else stat.S_ISREG)(st.st_mode):
+        raise ValueError(f"{what} {path} is not a {'directory' if is_dir else 'regular file'}")
+    me = os.geteuid()
+    if st.st_uid != me and not (root_ok and st.st_uid == 0):
+        raise UnsafeKeyFileError(f"{what} {path} is owned by {_who(st.st_uid)}, not by {_who(me)} that runs "
+                                 f"impala-async{' or by root' if root_ok and me != 0 else ''}; fix it with: "
+                                 f"chown {_user(me)} {quoted}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & forbidden:
+        access = "writable" if forbidden == WRITABLE_BY_OTHERS else "accessible"
+        raise UnsafeKeyFileError(f"{what} {path} is {access} by group or others (mode {mode:04o}); fix it with: "
+                                 f"chmod {fix} {quoted}")
+
+
+def check_key_directory(path: str | os.PathLike, what: str = "key directory") -> None:
+    """Raise unless ``path`` (a link is followed) is a directory owned by you or root that group and others cannot
+    write: FileNotFoundError, ValueError (not a directory) or UnsafeKeyFileError (saying ``chown``/``chmod go-w``)."""
+    _check(path, what, is_dir=True, missing=_KEYGEN_HINT)
+
+
+def check_secret_file(path: str | os.PathLike) -> None:
+    """Raise unless ``path`` is a regular file (not a link) owned by the effective uid that only its owner may access.
+
+    FileNotFoundError if it is missing; UnsafeKeyFileError (a PermissionError) saying ``chown`` if another user owns
+    it, ``chmod 600`` if group or others have any access, and how to replace a symbolic link by a copy.
+    """
+    _check(path, "secret key file", root_ok=False, forbidden=stat.S_IRWXG | stat.S_IRWXO, fix="600",
+           missing=_KEYGEN_HINT)
+
+
+def check_public_file(path: str | os.PathLike) -> None:
+    """Raise unless ``path`` is a regular file (not a link) owned by you or root that group and others cannot write:
+    FileNotFoundError, ValueError or UnsafeKeyFileError (saying ``chown``/``chmod go-w``)."""
+    _check(path, "public key file")
 
 
 def _check_z85_key(key: bytes | None, what: str, path: Path) -> bytes:
@@ -157,8 +222,7 @@ def _load_key_pair(path: Path) -> tuple[bytes, bytes]:
 
 def _load_public_key(path: Path) -> bytes:
     """The z85 public key of a public certificate; refuses a file that also holds a secret key."""
-    if not path.is_file():
-        raise FileNotFoundError(f"public key file {path} not found")
+    check_public_file(path)
     public, secret = load_certificate(path)
     if secret is not None:
         raise ValueError(f"{path} contains a secret key; a .key file must hold only the public key (use the "
@@ -171,6 +235,7 @@ def _load_allowed(allowed_dir: Path) -> dict[bytes, str]:
     if not allowed_dir.is_dir():
         raise ValueError(f"{allowed_dir} does not exist: with CURVE the learner admits only actors whose public keys "
                          f"are in it, so nobody could connect. Copy each actor's actor.key there as NAME.key")
+    check_key_directory(allowed_dir, "allowed-keys directory")
     allowed: dict[bytes, str] = {}
     for path in sorted(allowed_dir.glob(f"*{PUBLIC_SUFFIX}")):
         key, name = _load_public_key(path), path.name[:-len(PUBLIC_SUFFIX)]
@@ -203,15 +268,19 @@ class ActorKeys:
 
 
 def load_learner_keys(directory: str | os.PathLike) -> LearnerKeys:
-    """Read ``directory/learner.key_secret`` and ``directory/allowed/*.key`` (see the module docstring)."""
+    """Read ``directory/learner.key_secret`` and ``directory/allowed/*.key`` after checking them and both
+    directories (see the module docstring)."""
     directory = Path(directory)
+    check_key_directory(directory)
     public, secret = _load_key_pair(directory / f"{LEARNER_NAME}{SECRET_SUFFIX}")
     return LearnerKeys(public=public, secret=secret, allowed=_load_allowed(directory / ALLOWED_DIRNAME))
 
 
 def load_actor_keys(directory: str | os.PathLike) -> ActorKeys:
-    """Read ``directory/actor.key_secret`` and ``directory/learner.key`` (see the module docstring)."""
+    """Read ``directory/actor.key_secret`` and ``directory/learner.key`` after checking them and the directory (see
+    the module docstring)."""
     directory = Path(directory)
+    check_key_directory(directory)
     public, secret = _load_key_pair(directory / f"{ACTOR_NAME}{SECRET_SUFFIX}")
     server_path = directory / f"{LEARNER_NAME}{PUBLIC_SUFFIX}"
     if not server_path.is_file():
@@ -329,10 +398,13 @@ def refuse_insecure(listen: str, publish: str, curve: bool, insecure: bool) -> N
 def local_actor_keys(keys: LearnerKeys, directory: Path) -> tuple[Path, LearnerKeys]:
     """A fresh key pair for the actors 'train' starts itself, admitted (as name 'local') for this run only.
 
-    Writes ``directory/actor.key_secret`` (0600) and ``directory/learner.key`` and returns the directory and the
-    learner's keys with the new public key added to ``allowed``. A previous run's local keys are replaced.
+    Makes ``directory`` mode 0700, writes ``directory/actor.key_secret`` (0600) and ``directory/learner.key`` and
+    returns the directory and the learner's keys with the new public key added to ``allowed``. A previous run's
+    local keys are replaced.
     """
     directory = Path(directory)
+    directory.mkdir(mode=KEY_DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(directory, KEY_DIR_MODE)  # left by an earlier run or made under a permissive umask: what the checks want
     for stale in (f"{ACTOR_NAME}{PUBLIC_SUFFIX}", f"{ACTOR_NAME}{SECRET_SUFFIX}", f"{LEARNER_NAME}{PUBLIC_SUFFIX}"):
         (directory / stale).unlink(missing_ok=True)
     public_path, _ = keygen(directory, ACTOR_NAME)

@@ -8,12 +8,15 @@ import contextlib
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import zmq
+from procutil import free_port_pair
 from zmq.auth import load_certificate
 from zmq.utils.monitor import parse_monitor_message
 
@@ -23,6 +26,8 @@ NOTHING_ARRIVES_S = 1.5  # how long a rejected client is given to deliver someth
 EVENT_TIMEOUT_S = 5.0  # upper bound on waiting for a handshake event or an admitted message
 PUBLISH_INTERVAL_S = 0.05
 ACTOR_NAME = "gpu-box-3"
+OTHER_UID = 65534  # neither root nor (when run as root) the test's own uid: "nobody" on most systems
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid (chown) needs root")
 
 
 @dataclass
@@ -43,7 +48,7 @@ def _make_actor_dir(directory: Path, learner_public: Path) -> Path:
 def key_dirs(tmp_path) -> KeyDirs:
     dirs = KeyDirs(tmp_path / "learner", tmp_path / "actor", tmp_path / "stranger")
     learner_public, _ = auth.keygen(dirs.learner, "learner")
-    (dirs.learner / "allowed").mkdir()
+    (dirs.learner / "allowed").mkdir(mode=0o700)  # whatever the umask: the loaders refuse a group-writable one
     shutil.copy(_make_actor_dir(dirs.actor, learner_public), dirs.learner / "allowed" / f"{ACTOR_NAME}.key")
     _make_actor_dir(dirs.stranger, learner_public)
     return dirs
@@ -159,6 +164,151 @@ def test_load_learner_keys_refuses_a_secret_in_allowed(key_dirs):
     shutil.copy(key_dirs.stranger / "actor.key_secret", key_dirs.learner / "allowed" / "oops.key")
     with pytest.raises(ValueError, match="contains a secret key"):
         auth.load_learner_keys(key_dirs.learner)
+
+
+# ------------------------------------------------------------------------------- owners, modes and links (StrictModes)
+def _load_both(key_dirs) -> None:
+    keys = auth.load_learner_keys(key_dirs.learner)
+    assert keys.allowed == {auth.load_actor_keys(key_dirs.actor).public: ACTOR_NAME}
+
+
+def _target(key_dirs, name: str) -> tuple[Path, object]:
+    """(a path in the fixture's layout, the loader that reads it) by short name."""
+    return {
+        "learner dir": (key_dirs.learner, auth.load_learner_keys),
+        "allowed dir": (key_dirs.learner / "allowed", auth.load_learner_keys),
+        "actor dir": (key_dirs.actor, auth.load_actor_keys),
+        "learner secret": (key_dirs.learner / "learner.key_secret", auth.load_learner_keys),
+        "actor secret": (key_dirs.actor / "actor.key_secret", auth.load_actor_keys),
+        "allowed key": (key_dirs.learner / "allowed" / f"{ACTOR_NAME}.key", auth.load_learner_keys),
+        "actor's learner.key": (key_dirs.actor / "learner.key", auth.load_actor_keys),
+    }[name]
+
+
+def _refusal(load, directory: Path, *phrases: str) -> str:
+    """The message of the PermissionError ``load(directory)`` raises; it holds each phrase and is one line."""
+    with pytest.raises(PermissionError) as refused:
+        load(directory)
+    message = str(refused.value)
+    assert "\n" not in message
+    for phrase in phrases:
+        assert phrase in message, message
+    return message
+
+
+@pytest.mark.parametrize(("dir_mode", "allowed_mode", "public_mode", "secret_mode"), [
+    (0o700, 0o700, 0o644, 0o600), (0o755, 0o755, 0o444, 0o400), (0o750, 0o711, 0o600, 0o600)])
+def test_a_correct_layout_loads(key_dirs, tmp_path, dir_mode, allowed_mode, public_mode, secret_mode):
+    for directory in (key_dirs.learner, key_dirs.actor):
+        directory.chmod(dir_mode)
+    (key_dirs.learner / "allowed").chmod(allowed_mode)
+    for path in (key_dirs.learner / "allowed" / f"{ACTOR_NAME}.key", key_dirs.actor / "learner.key"):
+        path.chmod(public_mode)
+    for path in (key_dirs.learner / "learner.key_secret", key_dirs.actor / "actor.key_secret"):
+        path.chmod(secret_mode)
+    _load_both(key_dirs)
+    (tmp_path / "linked").symlink_to(key_dirs.learner)  # a link to a key directory is followed, and the target checked
+    assert auth.load_learner_keys(tmp_path / "linked").public == auth.load_learner_keys(key_dirs.learner).public
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o720], ids=oct)
+@pytest.mark.parametrize("name", ["learner dir", "allowed dir", "actor dir"])
+def test_refuses_a_key_directory_others_can_write(key_dirs, name, mode):
+    path, load = _target(key_dirs, name)
+    path.chmod(mode)
+    _refusal(load, key_dirs.learner if load is auth.load_learner_keys else key_dirs.actor,
+             f"{path} is writable by group or others", f"mode {mode:04o}", f"chmod go-w {path}")
+    path.chmod(0o700)
+    _load_both(key_dirs)
+
+
+@pytest.mark.parametrize("mode", [0o664, 0o646, 0o666], ids=oct)
+@pytest.mark.parametrize("name", ["allowed key", "actor's learner.key"])
+def test_refuses_a_public_key_others_can_write(key_dirs, name, mode):
+    path, load = _target(key_dirs, name)
+    path.chmod(mode)
+    _refusal(load, path.parent.parent if name == "allowed key" else path.parent,
+             f"public key file {path} is writable by group or others", f"mode {mode:04o}", f"chmod go-w {path}")
+
+
+@needs_root
+@pytest.mark.parametrize("name", ["learner dir", "allowed dir", "actor dir", "learner secret", "actor secret",
+                                  "allowed key", "actor's learner.key"])
+def test_refuses_what_another_user_owns(key_dirs, name):
+    path, load = _target(key_dirs, name)
+    os.chown(path, OTHER_UID, -1)
+    _refusal(load, key_dirs.learner if load is auth.load_learner_keys else key_dirs.actor,
+             f"{path} is owned by uid {OTHER_UID}", "not by uid 0", f"chown root {path}")
+    os.chown(path, 0, -1)
+    _load_both(key_dirs)
+
+
+@pytest.mark.parametrize("name", ["learner secret", "actor secret", "allowed key", "actor's learner.key"])
+def test_refuses_a_key_file_that_is_a_symbolic_link(key_dirs, tmp_path, name):
+    path, load = _target(key_dirs, name)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    real = elsewhere / path.name
+    path.rename(real)
+    path.symlink_to(real)
+    _refusal(load, key_dirs.learner if load is auth.load_learner_keys else key_dirs.actor,
+             f"{path} is a symbolic link", f"rm {path} && cp {real} {path}")
+
+
+def test_refusals_are_value_errors_and_os_errors(key_dirs):
+    """The CLI turns both into a one-line exit; ``keygen``'s caller catches only ValueError (and FileExistsError)."""
+    (key_dirs.learner / "learner.key_secret").chmod(0o640)
+    for kind in (ValueError, OSError):
+        with pytest.raises(kind, match="chmod 600"):
+            auth.load_learner_keys(key_dirs.learner)
+
+
+def test_keygen_refuses_a_directory_others_can_write(tmp_path):
+    directory = tmp_path / "keys"
+    directory.mkdir()
+    directory.chmod(0o777)
+    with pytest.raises(ValueError, match=f"mode 0777.*chmod go-w {directory}"):
+        auth.keygen(directory, "learner")
+    assert not list(directory.iterdir())
+
+
+def test_the_cli_refuses_unsafe_keys_in_one_line(key_dirs, tmp_path):
+    (key_dirs.learner / "allowed").chmod(0o775)
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o700)
+    loose.chmod(0o770)
+    argvs = {"learner": ["learner", "--curve-keys", str(key_dirs.learner), "--logdir", str(tmp_path / "run"),
+                         "--listen", f"tcp://127.0.0.1:{free_port_pair()}"],
+             "keygen": ["keygen", str(loose), "--name", "actor"]}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "impala_async", *argv], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for name, argv in argvs.items()}
+    try:
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=30)
+            assert proc.returncode != 0 and "listening" not in out, f"{name}\n{out}\n{err}"
+            assert err.startswith("impala-async: ") and err.count("\n") == 1 and "chmod go-w" in err, f"{name}: {err}"
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert not list(loose.iterdir())
+
+
+def test_local_actor_keys_makes_its_directory_private(key_dirs, tmp_path):
+    """An earlier run's directory, or one made under a permissive umask, is made 0700 so that the checks pass."""
+    local = tmp_path / "logdir" / ".local-actor-keys"
+    local.mkdir(parents=True)
+    local.chmod(0o777)
+    (local / "learner.key").write_text("stale")
+    old_umask = os.umask(0)
+    try:
+        directory, keys = auth.local_actor_keys(auth.load_learner_keys(key_dirs.learner), local)
+    finally:
+        os.umask(old_umask)
+    assert directory == local and stat.S_IMODE(local.stat().st_mode) == 0o700
+    actor = auth.load_actor_keys(local)
+    assert keys.allowed[actor.public] == "local" and actor.server_public == keys.public
 
 
 # ---------------------------------------------------------------------------------- synchronous context, ZAP thread
