@@ -104,7 +104,7 @@ class Policy:
         self.spec = TrajectorySpec.from_dict(first.run_info["spec"])
         self.model = build_model(self.spec, ModelConfig.from_dict(first.run_info["model"]))
         self.model.eval()
-        self.version = -1
+        self.version, self.incarnation = -1, 0
         self.load(first)
 
     def load(self, msg: wire.WeightsMessage) -> None:
@@ -114,7 +114,9 @@ class Policy:
         with torch.no_grad():
             for name, t in state.items():
                 t.copy_(torch.from_numpy(msg.tensors[name]).view(t.shape))
-        self.version = msg.version
+        if msg.incarnation != self.incarnation and self.incarnation:
+            log.info("the learner restarted (new incarnation): now at policy version %d", msg.version)
+        self.version, self.incarnation = msg.version, msg.incarnation
 
     @torch.inference_mode()
     def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,14 +125,14 @@ class Policy:
 
 
 def _receive_weights(sub: zmq.Socket, max_bytes: int, timeout_ms: int,
-                     have_version: int | None = None) -> wire.WeightsMessage | None:
-    """Newest weights message (SUB is CONFLATEd) unless it is ``have_version`` again, or None if none arrived within
-    timeout_ms."""
+                     have: tuple[int, int] | None = None) -> wire.WeightsMessage | None:
+    """Newest weights message (SUB is CONFLATEd) unless it is the ``(version, incarnation)`` already ``have``, or
+    None if none arrived within timeout_ms."""
     if not sub.poll(timeout_ms, zmq.POLLIN):
         return None
     try:
         data = sub.recv(zmq.NOBLOCK)
-        if have_version is not None and wire.weights_version(data) == have_version:
+        if have is not None and wire.weights_header(data) == have:
             return None  # a re-sent copy: skip decoding the tensors
         return wire.decode_weights(data, max_bytes)
     except zmq.Again:
@@ -156,6 +158,7 @@ def run(cfg: ActorConfig) -> int:
         keys = auth.load_actor_keys(cfg.curve_keys)
         auth.make_curve_client(sub, keys)
         auth.make_curve_client(push, keys)
+    watch = HandshakeWatch(sub, cfg.weights)  # before connect: tells a refusal from an absent learner
     sub.setsockopt(zmq.CONFLATE, 1)
     sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_weights_bytes)
     sub.setsockopt(zmq.LINGER, 0)
@@ -165,23 +168,27 @@ def run(cfg: ActorConfig) -> int:
     push.setsockopt(zmq.LINGER, 0)
     push.connect(cfg.learner)
     try:
-        return _act(cfg, actor_id, sub, push, stop, Heartbeat(cfg.heartbeat_fd, cfg.heartbeat_interval_s))
+        return _act(cfg, actor_id, sub, push, stop, Heartbeat(cfg.heartbeat_fd, cfg.heartbeat_interval_s), watch)
     finally:
+        watch.close(sub)
         sub.close(0)
         push.close(0)
         ctx.term()
 
 
-def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, stop: _Stop, beat: Heartbeat) -> int:
+def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, stop: _Stop, beat: Heartbeat,
+         watch: HandshakeWatch) -> int:
     deadline = time.monotonic() + cfg.max_wait_for_weights_s
     first = None
     while first is None:
         beat()
+        watch.poll()
         if stop.requested:
             return 0
         if time.monotonic() > deadline:
-            log.error("actor %d: no weights from %s within %.0f s", cfg.index, cfg.weights, cfg.max_wait_for_weights_s)
-            return 3
+            log.error("actor %d: no weights from %s within %.0f s: %s", cfg.index, cfg.weights,
+                      cfg.max_wait_for_weights_s, watch.diagnosis())
+            return EXIT_REFUSED if watch.refused else EXIT_NO_WEIGHTS
         first = _receive_weights(sub, cfg.max_weights_bytes, 100)
     policy = Policy(first)
     spec, run_info = policy.spec, policy.run_info
@@ -236,17 +243,79 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
         for lo in range(0, K, per_message):  # the learner caps trajectories per message
             part = buf if per_message >= K else {name: a[lo:lo + per_message] for name, a in buf.items()}
             msg = wire.encode_trajectories(spec, actor_id=actor_id, seq=seq, policy_version=policy.version,
-                                           arrays=part, episodes=episodes, codec=cfg.codec, sent_at_ns=time.time_ns())
+                                           incarnation=policy.incarnation, arrays=part, episodes=episodes,
+                                           codec=cfg.codec, sent_at_ns=time.time_ns())
             if not _send(push, msg, stop, beat):
                 break
             seq += 1
             episodes = []
-        newer = _receive_weights(sub, cfg.max_weights_bytes, 0, have_version=policy.version)
+        watch.poll()
+        newer = _receive_weights(sub, cfg.max_weights_bytes, 0, have=(policy.version, policy.incarnation))
         if newer is not None:
             policy.load(newer)
     for env in envs:
         env.close()
     return 0
+
+
+EXIT_NO_WEIGHTS, EXIT_REFUSED = 3, 5
+
+
+class HandshakeWatch:
+    """Tells, from the weights socket's monitor, a learner that refuses this actor's key from one that is absent.
+
+    A CurveZMQ server whose ZAP handler refuses a client sends it an ERROR command; libzmq reports it to the client
+    as ``ZMQ_EVENT_HANDSHAKE_FAILED_AUTH`` with the ZAP status code (400) as its value. A wrong learner key shows as
+    ``ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL`` (the handshake cannot be decrypted); nothing listening shows as no
+    ``ZMQ_EVENT_CONNECTED`` at all. docs/protocol.md (Keys) says the same for actors in other languages."""
+
+    EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+    def __init__(self, sock: zmq.Socket, address: str):
+        self.address = address
+        self.monitor = sock.get_monitor_socket(self.EVENTS)
+        self.connected = self.refused = self.failed = self.succeeded = 0
+
+    def poll(self) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.connected += 1
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.succeeded += 1
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.refused += 1
+                if self.refused == 1 or (self.refused & (self.refused - 1)) == 0:
+                    log.error("the learner at %s refused this actor's key (ZAP status %s): its public key is not in "
+                              "the learner's allowed/ directory", self.address, event["value"])
+            else:
+                self.failed += 1
+                if self.failed == 1:
+                    log.error("handshake with the learner at %s failed (%s): with --curve-keys, is learner.key the "
+                              "learner's current public key?", self.address, event["event"])
+
+    def diagnosis(self) -> str:
+        if self.refused:
+            return f"the learner refused this actor's key {self.refused} times (not in its allowed/ directory)"
+        if self.failed:
+            return "the handshake failed (a wrong learner.key, or CURVE on one side only)"
+        if not self.connected:
+            return "nothing accepted a connection there (no learner at that address, or a firewall)"
+        return "connected, but no weights message came (is it an impala-async learner of this protocol version?)"
+
+    def close(self, sock: zmq.Socket) -> None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(0)
 
 
 def _send(push: zmq.Socket, msg: bytes, stop: _Stop, beat: Heartbeat) -> bool:

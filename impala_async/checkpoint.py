@@ -1,7 +1,14 @@
-"""Atomic checkpoints: a checkpoint file either exists whole or not at all.
+"""Atomic checkpoints: a checkpoint file either exists whole or not at all, and resume trusts none blindly.
 
 Written to a temporary file in the same directory, fsynced, renamed over the final name, and the directory fsynced.
-Loaded with ``torch.load(weights_only=True)``: a checkpoint cannot run code.
+:class:`CheckpointWriter` keeps what a save needs open in advance (the directory and the next temporary file), so a
+learner whose peers have taken every file descriptor can still save; a save that fails anyway raises, and the caller
+retries later (training goes on).
+
+Loaded with ``torch.load(weights_only=True)`` (a checkpoint cannot run code), and only after the file passed checks
+that bound what loading it costs: a zip archive (torch's format) no larger than ``max_bytes`` whose records are all
+stored uncompressed, as torch writes them (so nothing decompresses beyond the file's size). ``load_latest`` then
+validates what it loaded and falls back to the previous checkpoint with a warning.
 """
 
 from __future__ import annotations
@@ -9,45 +16,100 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger("impala_async.checkpoint")
 _NAME = re.compile(r"^checkpoint-(\d{12})\.pt$")
+_TMP_PREFIX, _TMP_SUFFIX = ".checkpoint-", ".tmp"
 
 
 def checkpoint_path(directory: Path, env_steps: int) -> Path:
     return Path(directory) / f"checkpoint-{env_steps:012d}.pt"
 
 
-def save(directory: Path, state: dict, env_steps: int, keep: int = 3) -> Path:
-    """Write ``state`` atomically as checkpoint-<env_steps>.pt and keep only the newest ``keep`` checkpoints."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_path(directory, env_steps)
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
+class CheckpointWriter:
+    """Saves ``checkpoint-<env steps>.pt`` atomically into ``directory`` and keeps the newest ``keep``."""
+
+    def __init__(self, directory: Path, keep: int = 3):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        self._known = list_checkpoints(self.directory)  # ours and earlier runs', oldest first; no listing later
+        self._next: tuple[int, str] | None = None
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Open the next save's temporary file now, while descriptors are available."""
+        if self._next is None:
+            n = 0
+            while True:
+                name = f"{_TMP_PREFIX}{os.getpid()}-{n}{_TMP_SUFFIX}"
+                try:
+                    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self._dir_fd)
+                    break
+                except FileExistsError:
+                    n += 1
+            self._next = (fd, name)
+
+    def save(self, state: dict, env_steps: int) -> Path:
+        """Write ``state`` atomically; raises OSError (or whatever torch.save raises) if it could not."""
+        if self._next is None:
+            self._prepare()  # raises while no descriptor is free
+        fd, name = self._next
+        self._next = None
+        final = checkpoint_path(self.directory, env_steps)
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    dir_fd = os.open(directory, os.O_RDONLY)
+            with os.fdopen(fd, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(name, final.name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+            os.fsync(self._dir_fd)
+        except BaseException:
+            try:
+                os.unlink(name, dir_fd=self._dir_fd)
+            except OSError:
+                pass
+            raise
+        if final not in self._known:
+            self._known.append(final)
+        self._known.sort()
+        for old in self._known[:-self.keep]:
+            try:
+                os.unlink(old.name, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
+        del self._known[:-self.keep]
+        try:
+            self._prepare()
+        except OSError as e:  # no descriptor now: the next save tries again
+            log.warning("could not open the next checkpoint's temporary file yet: %s", e)
+        return final
+
+    def close(self) -> None:
+        if self._next is not None:
+            fd, name = self._next
+            os.close(fd)
+            try:
+                os.unlink(name, dir_fd=self._dir_fd)
+            except OSError:
+                pass
+            self._next = None
+        os.close(self._dir_fd)
+
+
+def save(directory: Path, state: dict, env_steps: int, keep: int = 3) -> Path:
+    """Write one checkpoint (see :class:`CheckpointWriter`)."""
+    writer = CheckpointWriter(directory, keep)
     try:
-        os.fsync(dir_fd)
+        return writer.save(state, env_steps)
     finally:
-        os.close(dir_fd)
-    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
-    return final
+        writer.close()
 
 
 def remove_partial(directory: Path) -> int:
@@ -55,7 +117,7 @@ def remove_partial(directory: Path) -> int:
     directory = Path(directory)
     if not directory.is_dir():
         return 0
-    stale = [p for p in directory.iterdir() if p.name.startswith(".checkpoint-") and p.name.endswith(".tmp")]
+    stale = [p for p in directory.iterdir() if p.name.startswith(_TMP_PREFIX) and p.name.endswith(_TMP_SUFFIX)]
     for p in stale:
         p.unlink(missing_ok=True)
     return len(stale)
@@ -69,11 +131,81 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
 
 
-def load_latest(directory: Path, map_location="cpu") -> tuple[dict, Path] | None:
-    """Newest checkpoint that loads; unreadable ones are skipped with a warning. None if there is none."""
+def check_archive(path: Path, max_bytes: int) -> None:
+    """Raise ValueError unless ``path`` is a torch zip archive of at most ``max_bytes`` with every record stored."""
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise ValueError(f"{size} bytes > max_checkpoint_bytes={max_bytes}")
+    if not zipfile.is_zipfile(path):
+        raise ValueError("not a zip archive (torch.save's format)")
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        if not infos:
+            raise ValueError("an empty archive")
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"record {info.filename[:80]!r} is compressed; torch stores records uncompressed")
+        claimed = sum(info.file_size for info in infos)
+        if claimed > max_bytes:
+            raise ValueError(f"records of {claimed} bytes > max_checkpoint_bytes={max_bytes}")
+
+
+def load(path: Path, max_bytes: int, map_location="cpu") -> dict:
+    check_archive(path, max_bytes)
+    state = torch.load(path, map_location=map_location, weights_only=True)
+    if type(state) is not dict:
+        raise ValueError(f"holds a {type(state).__name__}, not a dict")
+    return state
+
+
+def load_latest(directory: Path, max_bytes: int = 4 << 30, validate: Callable[[dict], None] | None = None,
+                map_location="cpu") -> tuple[dict, Path] | None:
+    """Newest checkpoint that passes the archive checks, loads and ``validate``s (which raises to refuse it); the
+    others are skipped with a warning. None if there is none."""
     for path in reversed(list_checkpoints(directory)):
         try:
-            return torch.load(path, map_location=map_location, weights_only=True), path
-        except Exception as e:  # truncated or corrupt file: fall back to the previous one
-            log.warning("skipping unreadable checkpoint %s: %s: %s", path, type(e).__name__, e)
+            state = load(path, max_bytes, map_location)
+            if validate is not None:
+                validate(state)
+            return state, path
+        except Exception as e:  # truncated, corrupt, oversized, malformed or non-finite: the previous one
+            log.warning("skipping checkpoint %s: %s: %s", path, type(e).__name__, str(e)[:300])
     return None
+
+
+# What the learner server writes (LearnerServer.checkpoint_state): key -> accepted types.
+_LEARNER_STATE = {"learner": dict, "policy_version": int, "env_steps": int, "episodes": int, "returns": list,
+                  "lengths": list, "wall_s": (float, int), "config": dict, "spec": dict, "torch_rng": torch.Tensor}
+_LEARNER_INNER = {"model": dict, "optimizer": dict, "env_steps_trained": int, "updates": int}
+
+
+def validate_learner_state(state: dict) -> None:
+    """Raise ValueError unless ``state`` has the learner checkpoint's layout and every float tensor in it (model and
+    optimizer state) is finite: a run that resumed from NaN weights would publish them to every actor."""
+    for key, kind in _LEARNER_STATE.items():
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            raise ValueError(f"{key!r} is missing or not a {kind}")
+    inner = state["learner"]
+    for key, kind in _LEARNER_INNER.items():
+        if not isinstance(inner.get(key), kind) or isinstance(inner.get(key), bool):
+            raise ValueError(f"learner.{key} is missing or not a {kind}")
+    if not inner["model"] or not all(isinstance(t, torch.Tensor) for t in inner["model"].values()):
+        raise ValueError("learner.model holds no tensors")
+    for where, tensors in (("model", inner["model"].items()), ("optimizer", _tensors(inner["optimizer"]))):
+        for name, t in tensors:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"non-finite values in {where} tensor {name}")
+    if not all(isinstance(x, float | int) and not isinstance(x, bool) for x in state["returns"] + state["lengths"]):
+        raise ValueError("returns and lengths must be lists of numbers")
+
+
+def _tensors(tree, prefix: str = ""):
+    """(path, tensor) for every tensor nested in dicts and lists."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(tree, list | tuple):
+        for i, v in enumerate(tree):
+            yield from _tensors(v, f"{prefix}[{i}]")

@@ -119,14 +119,17 @@ def _config(args, **forced) -> tuple[LearnerConfig, dict | None]:
         return from_arguments(LearnerConfig, args, **forced), None
     from . import checkpoint
 
-    found = checkpoint.load_latest(args.resume)
+    found = checkpoint.load_latest(args.resume, max_bytes=args.max_checkpoint_bytes,
+                                   validate=checkpoint.validate_learner_state)
     if found is None:
-        raise SystemExit(f"impala-async: no readable checkpoint in {args.resume}")
+        raise SystemExit(f"impala-async: no usable checkpoint in {args.resume} (see the warnings above)")
     state, path = found
     log.info("resuming from %s", path)
     names = {f.name for f in dataclasses.fields(LearnerConfig)}
     values = {k: v for k, v in state["config"].items() if k in names}
     values.update({k: getattr(args, k) for k in args.explicit if k in names})
+    if "listen" in args.explicit and "publish" not in args.explicit:
+        values["publish"] = ""  # derived from the new --listen, not the old run's port
     values.update(forced, logdir=args.resume)
     return LearnerConfig(**values), state
 

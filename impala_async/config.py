@@ -89,8 +89,32 @@ class LearnerConfig:
                                                 "in 64 MiB decoded, whichever is fewer; sizes the decode scratch)")
     max_episodes_per_message: int = opt(4096, "most episode records in one message")
     max_actor_id_bytes: int = opt(64, "longest actor id")
+    max_abs_episode_return: float = opt(1e12, "reject a message reporting an episode return beyond +-this")
+    max_episode_length_steps: int = opt(1 << 40, "reject a message reporting an episode longer than this")
     max_policy_lag: int = opt(100, "drop trajectories whose behaviour policy is more than this many versions old")
     max_tracked_actors: int = opt(100_000, "actor ids remembered for replay detection (least recent forgotten)")
+    max_plausible_latency_s: float = opt(3600.0, "latency figures take only sent_at_ns within this of the learner's "
+                                                 "clock (a peer's clock far off or lying is counted, not averaged)")
+    # ---- what a peer can make the learner hold (see README, Operations: limits)
+    max_connections: int = opt(1024, "most connections per socket (trajectories, weights), authenticated or not; "
+                                     "newer ones are closed at once (lowered to fit the file-descriptor limit)")
+    max_unread_bytes_per_connection: int = opt(0, "close a connection that makes the learner hold more unread bytes "
+                                                  "(queued or partial messages) than this (0: auto, "
+                                                  "(receive_hwm_messages + 2) * max_message_bytes)")
+    max_unread_bytes_total: int = opt(2 << 30, "while all connections together hold more unread bytes than this, "
+                                               "close the one holding most")
+    max_subscription_bytes: int = opt(1024, "ZMQ_MAXMSGSIZE of the weights socket: subscriptions and handshakes")
+    max_subscriptions_per_connection: int = opt(16, "close a weights connection that sends more subscription "
+                                                    "messages than this (an honest subscriber sends one)")
+    handshake_timeout_s: float = opt(10.0, "close a connection that has not completed the ZeroMQ handshake by then")
+    connection_check_interval_s: float = opt(0.05, "how often unread bytes per connection are checked")
+    min_resend_interval_s: float = opt(1.0, "least time between two re-sends of the weights to new subscribers "
+                                            "(subscriptions meanwhile share the next one)")
+    # ---- what enters the loss (values from the wire are clipped into these ranges; see docs/protocol.md)
+    max_abs_reward: float = opt(1e6, "clip rewards to +-this (raw units, before --reward-clip and --reward-scale)")
+    max_abs_truncation_value: float = opt(1e6, "clip truncation_value to +-this (reward-scaled units)")
+    max_abs_logit: float = opt(1e3, "clip behaviour_logits to +-this")
+    max_abs_obs: float = opt(1e6, "clip float observations to +-this")
     ring_batches: int = opt(6, "batch slots in the ring buffer (>= 3)")
     when_full: str = opt("drop_oldest", "when every ring slot is taken: drop_oldest (the oldest waiting batch) or "
                                         "wait (stop reading; socket high-water marks then make actors wait)")
@@ -106,6 +130,10 @@ class LearnerConfig:
     heartbeat_timeout_s: float = opt(10.0, "replace a local actor silent (hung, stopped) for this long")
     max_actor_restarts: int = opt(10, "restarts of one local actor before it is given up")
     checkpoint_keep: int = opt(3, "checkpoints kept in logdir (older ones deleted)")
+    checkpoint_retry_interval_s: float = opt(10.0, "after a failed checkpoint (disk full, no file descriptor), try "
+                                                   "again this much later; training goes on meanwhile")
+    max_checkpoint_bytes: int = opt(4 << 30, "at resume, skip a checkpoint larger than this, or one whose records "
+                                             "are compressed (torch writes them stored)")
     # ---- modes
     frame_dedup: int = opt(1, "1: observations that stack consecutive frames (Atari) travel and sit in the ring as "
                               "single frames, 4x less data; 0: whole stacks")
@@ -147,12 +175,26 @@ class LearnerConfig:
         need(self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024")
         need(self.receive_hwm_messages >= 1, "receive_hwm_messages must be >= 1")
         need(self.max_trajectories_per_message >= 0, "max_trajectories_per_message must be >= 0 (0: auto)")
-        for name in ("max_episodes_per_message", "max_actor_id_bytes", "max_tracked_actors"):
+        for name in ("max_episodes_per_message", "max_actor_id_bytes", "max_tracked_actors", "max_connections",
+                     "max_subscriptions_per_connection", "max_episode_length_steps", "max_checkpoint_bytes"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1")
+        need(self.max_unread_bytes_per_connection == 0 or self.max_unread_bytes_per_connection
+             >= self.max_message_bytes, "max_unread_bytes_per_connection must be 0 (auto) or >= max_message_bytes: "
+                                        "a connection must be able to hold one whole message")
+        need(self.max_unread_bytes_total >= self.max_message_bytes,
+             "max_unread_bytes_total must be >= max_message_bytes: no message could ever be received")
+        need(self.max_subscription_bytes >= 512, "max_subscription_bytes must be >= 512: a CurveZMQ handshake "
+                                                 "needs frames of about 300 bytes")
+        for name in ("max_abs_reward", "max_abs_truncation_value", "max_abs_logit", "max_abs_obs",
+                     "max_abs_episode_return", "max_plausible_latency_s"):
+            v = getattr(self, name)
+            need(math.isfinite(v) and v > 0, f"{name} must be a finite number > 0, got {v}")
         for name in ("republish_interval_s", "report_interval_s", "checkpoint_interval_s", "shutdown_timeout_s",
-                     "actor_start_timeout_s", "no_data_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+                     "actor_start_timeout_s", "no_data_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s",
+                     "handshake_timeout_s", "connection_check_interval_s", "checkpoint_retry_interval_s"):
             need(getattr(self, name) > 0, f"{name} must be > 0")
         need(self.publish_interval_s >= 0, "publish_interval_s must be >= 0")
+        need(self.min_resend_interval_s >= 0, "min_resend_interval_s must be >= 0")
         need(self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s,
              "heartbeat_timeout_s must exceed twice heartbeat_interval_s, or healthy actors would be killed")
         need(self.max_actor_restarts >= 0, "max_actor_restarts must be >= 0")
@@ -169,6 +211,8 @@ class LearnerConfig:
         """Fill the fields whose default depends on the trajectory size."""
         if self.max_trajectories_per_message == 0:
             self.max_trajectories_per_message = min(256, max(1, AUTO_SCRATCH_BYTES // trajectory_nbytes))
+        if self.max_unread_bytes_per_connection == 0:
+            self.max_unread_bytes_per_connection = (self.receive_hwm_messages + 2) * self.max_message_bytes
 
     @property
     def local_actors(self) -> int:

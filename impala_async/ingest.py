@@ -51,13 +51,15 @@ class Histogram:
 
 class Ingest:
     def __init__(self, cfg: LearnerConfig, spec: TrajectorySpec, ring: TrajectoryRing,
-                 policy_version: Callable[[], int], identities: bool = False):
+                 policy_version: Callable[[], int], incarnation: int, identities: bool = False):
         self.cfg, self.spec, self.ring = cfg, spec, ring
         self._policy_version = policy_version
+        self.incarnation = incarnation  # this learner run's; messages acted under an earlier run's weights carry theirs
         self.identities = identities  # CURVE on: replay state is namespaced by the name of the client's key
         self.decoder = wire.TrajectoryDecoder(spec, wire.WireLimits(
             max_message_bytes=cfg.max_message_bytes, max_trajectories_per_message=cfg.max_trajectories_per_message,
-            max_episodes_per_message=cfg.max_episodes_per_message, max_actor_id_bytes=cfg.max_actor_id_bytes))
+            max_episodes_per_message=cfg.max_episodes_per_message, max_actor_id_bytes=cfg.max_actor_id_bytes,
+            max_abs_episode_return=cfg.max_abs_episode_return, max_episode_length_steps=cfg.max_episode_length_steps))
         self.steps_per_trajectory = spec.unroll_length
         self._scratch = {f.name: np.empty((cfg.max_trajectories_per_message, *f.shape), f.dtype) for f in spec.fields}
         self.pending: tuple[wire.TrajectoryMessage, int, int] | None = None  # (message in scratch, next row, ns)
@@ -71,6 +73,8 @@ class Ingest:
         self.rejected: collections.Counter = collections.Counter()  # messages, by reason
         self.trajectories_rejected = 0  # trajectories in rejected messages (1 for a message that did not parse)
         self.dropped_stale = 0
+        self.dropped_incarnation = 0  # trajectories acted under another learner incarnation's weights
+        self.latency_implausible = 0  # accepted messages whose sent_at_ns was too far from the learner's clock
         self.episodes = 0
         self.returns: collections.deque = collections.deque(maxlen=100)
         self.lengths: collections.deque = collections.deque(maxlen=100)
@@ -84,7 +88,8 @@ class Ingest:
 
     # ------------------------------------------------------------------------------------------------- messages
     def handle(self, buf, user_id: str | None = None) -> None:
-        """One received message. Never raises for anything the peer sent."""
+        """One received message. Never raises for anything the peer sent. Nothing of a message counts (its sequence
+        number, its episodes, its trajectories) until all of it has been checked and accepted."""
         t0 = time.perf_counter()
         self.messages_received += 1
         self.bytes_received += len(buf)
@@ -98,26 +103,21 @@ class Ingest:
             log.exception("decoder bug on a received message; rejecting it as malformed")
             self.reject(wire.Rejected("malformed", f"unexpected {type(e).__name__}: {e}"))
             return
+        if msg.incarnation != self.incarnation:  # acted with an earlier learner run's weights: not an error
+            self.dropped_incarnation += msg.n
+            self.stage_s["parse"] += time.perf_counter() - t0
+            return
         try:
             self._check_header(msg, user_id)
         except wire.Rejected as e:
             self.reject(e, msg.n)
             self.stage_s["parse"] += time.perf_counter() - t0
             return
-        key = self._actor_key(msg, user_id)
-        self._last_seq[key] = msg.seq
-        self._last_seq.move_to_end(key)
-        if len(self._last_seq) > self.cfg.max_tracked_actors:
-            self._last_seq.popitem(last=False)
-        for ret, length in msg.episodes:
-            self.returns.append(ret)
-            self.lengths.append(length)
-        self.episodes += len(msg.episodes)
         self.stage_s["parse"] += time.perf_counter() - t0
         if self._policy_version() - msg.policy_version > self.cfg.max_policy_lag:
             self.dropped_stale += msg.n
             return
-        self._decode(msg, time.time_ns())
+        self._decode(msg, user_id, time.time_ns())
 
     def _actor_key(self, msg: wire.TrajectoryMessage, user_id: str | None) -> str:
         """Replay state is per (key name, actor id) under CURVE: one client cannot touch another's sequence."""
@@ -133,7 +133,7 @@ class Ingest:
         if last is not None and msg.seq <= last:
             raise wire.Rejected("replay", f"actor {msg.actor_id!r} seq {msg.seq} <= {last}")
 
-    def _decode(self, msg: wire.TrajectoryMessage, arrival_ns: int) -> None:
+    def _decode(self, msg: wire.TrajectoryMessage, user_id: str | None, arrival_ns: int) -> None:
         t0 = time.perf_counter()
         n, ring = msg.n, self.ring
         direct = ring.room() >= n
@@ -146,6 +146,7 @@ class Ingest:
             log.exception("decoder bug on a received message; rejecting it as malformed")
             self.reject(wire.Rejected("malformed", f"unexpected {type(e).__name__}: {e}"), n)
         else:
+            self._message_accepted(msg, user_id)
             if direct:
                 ring.commit(n, msg.policy_version, arrival_ns)
                 self._accepted(msg, n)
@@ -153,6 +154,18 @@ class Ingest:
                 self.pending = (msg, 0, arrival_ns)
         self.stage_s["decode"] += time.perf_counter() - t0
         self.continue_pending()
+
+    def _message_accepted(self, msg: wire.TrajectoryMessage, user_id: str | None) -> None:
+        """The whole message passed every check: now its sequence number and episodes count."""
+        key = self._actor_key(msg, user_id)
+        self._last_seq[key] = msg.seq
+        self._last_seq.move_to_end(key)
+        if len(self._last_seq) > self.cfg.max_tracked_actors:
+            self._last_seq.popitem(last=False)
+        for ret, length in msg.episodes:
+            self.returns.append(ret)
+            self.lengths.append(length)
+        self.episodes += len(msg.episodes)
 
     def continue_pending(self) -> bool:
         """Copy what fits of the pending (scratch-decoded) message into the ring. True when nothing is pending."""
@@ -179,8 +192,12 @@ class Ingest:
         self.env_steps += m * self.steps_per_trajectory
         self.decoded_bytes += m * self.spec.trajectory_nbytes
         self.last_data_at = time.monotonic()
-        if msg.sent_at_ns is not None:
-            self.latency_s.add(max(0.0, (time.time_ns() - msg.sent_at_ns) * 1e-9))
+        if msg.sent_at_ns is not None:  # a peer's clock reading: counted only when plausible
+            latency_s = (time.time_ns() - msg.sent_at_ns) * 1e-9
+            if 0.0 <= latency_s <= self.cfg.max_plausible_latency_s:
+                self.latency_s.add(latency_s)
+            else:
+                self.latency_implausible += 1
 
     def reject(self, e: wire.Rejected, trajectories: int = 1) -> None:
         n = self.rejected[e.reason]

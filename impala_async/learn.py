@@ -34,6 +34,8 @@ class Learner:
                                                  eps=cfg.rmsprop_eps, momentum=cfg.rmsprop_momentum)
         self.env_steps_trained = 0
         self.updates = 0
+        self.updates_skipped = 0  # batches whose loss or gradient was not finite
+        self.inputs_clipped = 0  # values from the wire clipped into their documented range
         self._rho_edges = torch.tensor(RHO_BIN_EDGES[1:], device=device)
 
     def learning_rate(self) -> float:
@@ -45,12 +47,24 @@ class Learner:
         """One update from a batch of ``B`` trajectories, batch-major as in the ring: ``obs [B, T+1, ...]`` (or
         ``frames [B, T+S, H, W]`` with a frame-stacking spec),
         ``action``/``reward``/``terminated``/``truncated``/``truncation_value`` ``[B, T]``,
-        ``behaviour_logits [B, T, A]``. Returns float statistics."""
+        ``behaviour_logits [B, T, A]``. Returns statistics; ``stats["skipped"]`` is True when the loss or the
+        gradient was not finite and the weights were left unchanged.
+
+        Values from the wire enter the loss clipped into documented ranges (``max_abs_reward``,
+        ``max_abs_truncation_value``, ``max_abs_logit``, ``max_abs_obs``); ``stats["inputs_clipped"]`` counts them."""
         cfg = self.cfg
+        clipped = []  # how many values from the wire were clipped into their documented range
+
+        def bounded(x: torch.Tensor, bound: float) -> torch.Tensor:
+            clipped.append((x.abs() > bound).sum())
+            return x.clamp(-bound, bound)
+
         if self.spec.frame_stack:
             obs = frames.unstack(batch["frames"], batch["terminated"], batch["truncated"], self.spec.frame_stack)
         else:
             obs = batch["obs"]
+            if obs.is_floating_point():
+                obs = bounded(obs, cfg.max_abs_obs)
         B, T1 = obs.shape[:2]
         T = T1 - 1
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
@@ -62,7 +76,7 @@ class Learner:
         def tm(name):  # time-major [T, B, ...]
             return batch[name].transpose(0, 1)
 
-        rewards = tm("reward").float()
+        rewards = bounded(tm("reward").float(), cfg.max_abs_reward)
         if cfg.reward_clip > 0:
             rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
         rewards = rewards * cfg.reward_scale
@@ -71,10 +85,12 @@ class Learner:
         discounts = cfg.discount * (1.0 - done)
         # A time-limit cut is not a terminal state: bootstrap from the value the actor computed for the final
         # observation (the next slot already holds the reset observation).
-        rewards = rewards + cfg.discount * truncated * tm("truncation_value").float()
+        rewards = rewards + cfg.discount * truncated * bounded(tm("truncation_value").float(),
+                                                               cfg.max_abs_truncation_value)
+        behaviour_logits = bounded(tm("behaviour_logits").float(), cfg.max_abs_logit)
 
         vt = vtrace.from_logits(
-            behaviour_policy_logits=tm("behaviour_logits"), target_policy_logits=logits[:T], actions=tm("action"),
+            behaviour_policy_logits=behaviour_logits, target_policy_logits=logits[:T], actions=tm("action"),
             discounts=discounts, rewards=rewards, values=values[:T], bootstrap_value=values[T],
             clip_rho_threshold=cfg.threshold(cfg.clip_rho_threshold),
             clip_pg_rho_threshold=cfg.threshold(cfg.clip_pg_rho_threshold),
@@ -95,21 +111,35 @@ class Learner:
         loss.backward()
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
         self.env_steps_trained += B * T
-        self.updates += 1
+        # A batch whose loss or gradient is not finite would turn every weight into NaN: skip the update.
+        skipped = not bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.updates_skipped += 1
+        else:
+            self.optimizer.step()
+            self.updates += 1
 
         with torch.no_grad():
             rhos = vt.log_rhos.exp()
             rho_bar = cfg.clip_rho_threshold if cfg.clip_rho_threshold > 0 else float("inf")
             hist = torch.bincount(torch.bucketize(rhos.flatten(), self._rho_edges), minlength=len(RHO_BIN_EDGES))
             scalars = torch.stack([pg_loss.detach(), baseline_loss.detach(), entropy.detach(), grad_norm.float(),
-                                   rhos.mean(), (rhos > rho_bar).float().mean()]).tolist()
-        names = ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac")
+                                   rhos.mean(), (rhos > rho_bar).float().mean(),
+                                   torch.stack(clipped).sum().float()]).tolist()
+        names = ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "inputs_clipped")
         stats = dict(zip(names, scalars, strict=True))
         stats["lr"] = lr
         stats["rho_hist"] = hist.tolist()
+        stats["skipped"] = skipped
+        self.inputs_clipped += int(stats["inputs_clipped"])
         return stats
+
+    def parameters_finite(self) -> bool:
+        """Whether every weight is finite (checked before weights are published or saved)."""
+        with torch.no_grad():
+            return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),

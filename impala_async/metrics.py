@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .guard import CUT_REASONS
 from .wire import REJECT_REASONS
 
 # Bin edges of the importance-weight histogram in the metrics (policy-collapse diagnosis: mass far from 1).
@@ -54,9 +55,11 @@ class Reporter:
             "trajectories_received": ing.trajectories_received,
             "trajectories_rejected": ing.trajectories_rejected,
             "messages_rejected": sum(ing.rejected.values()),
-            "trajectories_dropped": ring.dropped_full + ring.dropped_stale + ing.dropped_stale,
+            "trajectories_dropped": (ring.dropped_full + ring.dropped_stale + ing.dropped_stale
+                                     + ing.dropped_incarnation),
             "dropped_full": ring.dropped_full,
             "dropped_stale": ring.dropped_stale + ing.dropped_stale,
+            "dropped_incarnation": ing.dropped_incarnation,
             "messages_received": ing.messages_received,
             "bytes_received": ing.bytes_received,
             "trajectories_per_s": round(d_traj / dt, 1),
@@ -65,6 +68,7 @@ class Reporter:
             "decoded_mb_per_s": round((cur["decoded"] - prev["decoded"]) / dt / 1e6, 3),
             "latency_p50_ms": _ms(ing.latency_s.quantile(0.5)),
             "latency_p99_ms": _ms(ing.latency_s.quantile(0.99)),
+            "latency_implausible": ing.latency_implausible,
             "loop_lag_p99_ms": _ms(s.loop_lag_s.quantile(0.99)),
             # Seconds per trajectory in each stage: ingest stages per trajectory received, h2d and train per
             # trajectory trained (the two differ when batches are dropped).
@@ -75,12 +79,30 @@ class Reporter:
             "ring_mib": round(ring.nbytes / 2**20, 2),
             "scratch_mib": round(ing.scratch_nbytes / 2**20, 2),
         }
+        pub, pull = s.publisher, s.pull_guard
+        rec.update({
+            "incarnation": s.incarnation,
+            "updates_skipped_nonfinite": s.learner.updates_skipped,
+            "inputs_clipped": s.learner.inputs_clipped,
+            "weights_refused_nonfinite": s.weights_refused_nonfinite,
+            "checkpoint_failures": s.checkpoint_failures,
+            "connections_trajectories": len(pull.conns),
+            "connections_weights": len(pub.guard.conns),
+            "unread_bytes": pull.unread_bytes_total,
+            "weights_sends": pub.sends,
+            "weights_resends": pub.resends,
+            "subscriptions": pub.subscriptions,
+            "subscriptions_ignored": pub.ignored_subscriptions,
+        })
+        for reason in CUT_REASONS:
+            rec[f"connections_cut_{reason}"] = pull.cut[reason] + pub.guard.cut[reason]
         if s.actors is not None:
             rec["actors_alive"] = s.actors.alive()
             rec["actor_restarts"] = s.actors.restarts_total
             rec["actors_replaced_silent"] = s.actors.replaced_silent  # killed for missing heartbeats
         for reason in REJECT_REASONS:
             rec[f"rejected_{reason}"] = ing.rejected[reason]
+        stats = [st for st in stats if not st["skipped"]]  # a skipped update's losses are not finite
         for name in ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "lr"):
             rec[name] = float(np.mean([st[name] for st in stats])) if stats else None
         rec["rho_hist"] = np.sum([st["rho_hist"] for st in stats], axis=0).tolist() if stats else None

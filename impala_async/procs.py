@@ -76,6 +76,10 @@ class ActorProcesses:
             c.beats += len(data)
             c.last_beat = now
 
+    @property
+    def count(self) -> int:
+        return len(self._children)
+
     def alive(self) -> int:
         return sum(1 for c in self._children if c.proc is not None and c.proc.poll() is None)
 

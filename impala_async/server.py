@@ -19,15 +19,18 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 import zmq
 
 from . import checkpoint, wire
 from .config import LearnerConfig
+from .guard import ConnectionGuard, guard_source
 from .ingest import Histogram, Ingest
 from .learn import Learner
 from .metrics import MetricsWriter, Progress, Reporter
 from .procs import ActorProcesses
+from .publisher import WeightsPublisher
 from .ring import TrajectoryRing
 from .spec import TrajectorySpec
 from .trainer import Trainer
@@ -37,8 +40,9 @@ log = logging.getLogger("impala_async.server")
 MAX_DRAIN_MESSAGES = 256  # messages handled per wake-up before yielding to other tasks ...
 MAX_DRAIN_S = 0.005  # ... or this much time
 LOOP_LAG_PROBE_S = 0.01
+FD_RESERVE = 256  # file descriptors kept free of connections: logs, checkpoints, actor pipes, libraries
 # Exit codes (argparse uses 2 for usage errors).
-EXIT_ERROR, EXIT_ACTORS_FAILED, EXIT_NO_DATA = 1, 3, 4
+EXIT_ERROR, EXIT_ACTORS_FAILED, EXIT_NO_DATA, EXIT_NO_CHECKPOINT = 1, 3, 4, 5
 
 
 class LearnerServer:
@@ -57,7 +61,10 @@ class LearnerServer:
         self.trainer = Trainer(learner, self.ring, max_policy_lag=cfg.max_policy_lag, ingest_only=bool(cfg.ingest_only),
                                overlap_copies=bool(cfg.overlap_copies), on_update=self._on_update,
                                after_update=self._after_update, on_exit=self._on_trainer_exit)
-        self.ingest = Ingest(cfg, spec, self.ring, lambda: self.trainer.policy_version,
+        # A learner run's incarnation: it travels with the weights, and trajectories acted with them carry it back,
+        # so that messages acted under an earlier run's weights (after a restart) are told apart from forged ones.
+        self.incarnation = wire.new_incarnation()
+        self.ingest = Ingest(cfg, spec, self.ring, lambda: self.trainer.policy_version, self.incarnation,
                              identities=keys is not None)
         self.wall_offset_s = 0.0
         if resumed:
@@ -70,7 +77,8 @@ class LearnerServer:
         self._stats: list[dict] = []
         self._lags: list[tuple[int, float, int]] = []
         self._last_publish = self._last_checkpoint = time.monotonic()
-        self._weights: bytes | None = None
+        self.checkpoint_failures = 0
+        self.weights_refused_nonfinite = 0
         self.auth = None
         self.exit_code = 0
         self.exit_reason = ""
@@ -93,28 +101,35 @@ class LearnerServer:
         cfg = self.cfg
         # Plain (synchronous) sockets: the event loop watches the PULL socket's file descriptor itself (see
         # _receive_loop) and only ever sends non-blocking on PUB; no pyzmq asyncio machinery shares those FDs.
+        self._fit_descriptor_limit()
         self.ctx = zmq.Context(1)
+        secure = self._start_authentication()
         self.pull = self.ctx.socket(zmq.PULL)
-        self.pub = self.ctx.socket(zmq.XPUB)  # a PUB that also hears subscriptions: new actors get weights at once
-        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pull.setsockopt(zmq.RCVHWM, cfg.receive_hwm_messages)
         self.pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
-        self.pub.setsockopt(zmq.SNDHWM, 2)
-        for s in (self.pull, self.pub):
-            s.setsockopt(zmq.LINGER, 0)
-        self._secure_sockets()
+        self.pull.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.handshake_timeout_s * 1000))
+        self.pull.setsockopt(zmq.LINGER, 0)
+        if secure is not None:
+            secure(self.pull)
+        self.pull_guard = ConnectionGuard("trajectories", self.pull, max_connections=cfg.max_connections,
+                                          max_unread_bytes=cfg.max_unread_bytes_per_connection,
+                                          max_unread_bytes_total=cfg.max_unread_bytes_total)
+        self.publisher = WeightsPublisher(self.ctx, cfg, secure)
         self.pull.bind(cfg.listen)
-        self.pub.bind(cfg.publish)
         self.listen_endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.publish_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.publish_endpoint = self.publisher.bind(cfg.publish)
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._on_signal, sig)
         self._loop.add_signal_handler(signal.SIGUSR1, self._dump_state)
         if checkpoint.remove_partial(self.logdir):
             log.warning("removed a partial checkpoint left by an interrupted write in %s", self.logdir)
+        self.checkpoints = checkpoint.CheckpointWriter(self.logdir, self.cfg.checkpoint_keep)
         self.metrics = MetricsWriter(self.logdir / "metrics.jsonl")
         self.progress = Progress()
-        self._publish(self._encode_weights())
+        weights = self._encode_weights()
+        if weights is None:
+            raise RuntimeError("the initial weights are not finite")
+        self.publisher.publish(weights)
         self.trainer.start()
         log.info("learner: trajectories in on %s, weights out on %s, logdir %s, device %s%s",
                  self.listen_endpoint, self.publish_endpoint, self.logdir, self.device,
@@ -124,19 +139,41 @@ class LearnerServer:
         if self.actors is not None:
             self.actors.start()
 
-    def _secure_sockets(self) -> None:
-        """CurveZMQ on both sockets and a ZAP authenticator admitting only the allowed keys (see auth.py)."""
+    def _start_authentication(self):
+        """With keys: start the ZAP authenticator (before any bind: no window without it) and return the function that
+        makes a socket a CurveZMQ server admitting only the allowed keys (see auth.py). Without keys: None."""
         if self.keys is None:
-            return
+            return None
         from . import auth
-        self.auth = auth.start_thread_authenticator(self.ctx, self.keys)  # before bind: no window without ZAP
-        for s in (self.pull, self.pub):
-            auth.make_curve_server(s, self.keys)
+        self.auth = auth.start_thread_authenticator(self.ctx, self.keys)
         log.info("CURVE on: %d allowed actor key(s)", len(self.keys.allowed))
+        return lambda sock: auth.make_curve_server(sock, self.keys)
+
+    def _fit_descriptor_limit(self) -> None:
+        """Raise the soft file-descriptor limit to the hard one, and keep both sockets' connections within it with
+        FD_RESERVE to spare: peers that open connections by the thousand must not leave the learner unable to open
+        a file (its checkpoint writer also keeps its descriptors open in advance)."""
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+                soft = want
+            except (ValueError, OSError) as e:
+                log.warning("could not raise the file-descriptor limit from %d to %d: %s", soft, want, e)
+        reserve = FD_RESERVE + (self.actors.count if self.actors is not None else 0)
+        fit = max(1, (soft - reserve) // 2) if soft != resource.RLIM_INFINITY else self.cfg.max_connections
+        if self.cfg.max_connections > fit:
+            log.warning("max_connections lowered from %d to %d per socket to fit the file-descriptor limit of %d "
+                        "(raise it with ulimit -n)", self.cfg.max_connections, fit, soft)
+            self.cfg.max_connections = fit
+        self.fd_limit = soft
 
     async def _main(self) -> None:
         tasks = [asyncio.create_task(c) for c in (self._receive_loop(), self._republish_loop(), self._report_loop(),
-                                                  self._watch_loop(), self._loop_lag_loop())]
+                                                  self._watch_loop(), self._loop_lag_loop(), self._guard_loop())]
         stop = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for t in done:
@@ -173,7 +210,8 @@ class LearnerServer:
             task.print_stack(file=sys.stderr)
         print(f"trainer alive={self.trainer.alive()} error={self.trainer.error!r} batches={self.trainer.batches} "
               f"ring ready={self.ring.ready_batches()} writable={self.ring.writable()} "
-              f"pending={self.ingest.pending is not None}", file=sys.stderr, flush=True)
+              f"pending={self.ingest.pending is not None} connections={len(self.pull_guard.conns)}+"
+              f"{len(self.publisher.guard.conns)}", file=sys.stderr, flush=True)
 
     def _force_exit(self, why: str) -> None:
         log.error("forced exit: %s", why)
@@ -189,8 +227,11 @@ class LearnerServer:
             # Intake is already stopped (the receive task is cancelled); mirror the startup from here.
             stopped = await self._loop.run_in_executor(None, self.trainer.stop, self.cfg.shutdown_timeout_s)
             if stopped and self.trainer.error is None and hasattr(self, "metrics"):
-                path = await self._loop.run_in_executor(None, self.save_checkpoint)
-                log.info("final checkpoint: %s", path)
+                path = await self._loop.run_in_executor(None, self._final_checkpoint)
+                if path is not None:
+                    log.info("final checkpoint: %s", path)
+                elif self.exit_code == 0:
+                    self.exit_reason, self.exit_code = "the final checkpoint could not be written", EXIT_NO_CHECKPOINT
             if hasattr(self, "metrics"):
                 self._report()
                 self.progress.close()
@@ -199,14 +240,16 @@ class LearnerServer:
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
                 self._loop.remove_signal_handler(sig)
+            self.pull_guard.close(self.pull)
             self.pull.close(0)
-            self.pub.close(0)
+            self.publisher.close()
             if self.auth is not None:
                 from . import auth
                 auth.stop_authenticator(self.auth)
             self.ctx.term()
             if hasattr(self, "metrics"):
                 self.metrics.close()
+                self.checkpoints.close()
             timer.cancel()
         log.info("learner stopped: %s", self.exit_reason)
 
@@ -216,7 +259,7 @@ class LearnerServer:
 
         ZeroMQ's FD is edge-triggered ("something may have changed"): the loop checks ZMQ_EVENTS before sleeping
         and after every wake-up, so it never sleeps with messages pending. No Future per message."""
-        sync, ingest = self.pull, self.ingest
+        sync, ingest, guard = self.pull, self.ingest, self.pull_guard
         user_ids = self.keys is not None
         readable = asyncio.Event()
         fd = sync.getsockopt(zmq.FD)
@@ -242,6 +285,9 @@ class LearnerServer:
                     except zmq.Again:
                         break
                     recv_s += time.perf_counter() - t0
+                    source = guard_source(frame)  # the connection it came from: its bytes are no longer held unread
+                    if source is not None:
+                        guard.delivered(source, len(frame))
                     if frame.more:
                         self._discard_multipart(sync)
                         continue
@@ -257,7 +303,10 @@ class LearnerServer:
         """The protocol has one frame per message: drop the rest of a multipart message (already in memory)."""
         parts = 1
         while sync.getsockopt(zmq.RCVMORE):
-            sync.recv(copy=False)
+            frame = sync.recv(copy=False)
+            source = guard_source(frame)
+            if source is not None:
+                self.pull_guard.delivered(source, len(frame))
             parts += 1
         self.ingest.reject_reason("multipart", f"a message of {parts} frames; the protocol allows 1")
 
@@ -273,10 +322,13 @@ class LearnerServer:
             return False
         if now - self._last_publish >= self.cfg.publish_interval_s:
             self._last_publish = now
-            self._loop.call_soon_threadsafe(self._publish, self._encode_weights())
+            weights = self._encode_weights()
+            if weights is not None:
+                self._loop.call_soon_threadsafe(self.publisher.publish, weights)
         if now - self._last_checkpoint >= self.cfg.checkpoint_interval_s:
             self._last_checkpoint = now
-            self.save_checkpoint()
+            if self._try_checkpoint() is None:  # retried sooner than the next regular one; training goes on
+                self._last_checkpoint = now - self.cfg.checkpoint_interval_s + self.cfg.checkpoint_retry_interval_s
         if self.learner.env_steps_trained >= self.cfg.total_env_steps:
             self._loop.call_soon_threadsafe(self.request_stop, "total_env_steps reached", 0)
             return True
@@ -286,39 +338,40 @@ class LearnerServer:
         if error is not None:
             self._loop.call_soon_threadsafe(self.request_stop, f"training failed: {error!r}", EXIT_ERROR)
 
-    def _encode_weights(self) -> bytes:
+    def _encode_weights(self) -> bytes | None:
+        """The current weights as a weights message; None (and an error logged) if any of them is not finite: such
+        weights are never published (an update with a non-finite loss is skipped, so this should not happen)."""
         state = {k: v.detach().to("cpu").numpy() for k, v in self.learner.model.state_dict().items()}
-        return wire.encode_weights(self.trainer.policy_version, state, self.run_info)
-
-    def _publish(self, data: bytes) -> None:
-        self._weights = data
-        try:
-            self.pub.send(data, zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        bad = [k for k, a in state.items() if a.dtype.kind == "f" and not np.isfinite(a).all()]
+        if bad:
+            self.weights_refused_nonfinite += 1
+            log.error("not publishing weights with non-finite values in %s", bad[:5])
+            return None
+        return wire.encode_weights(self.trainer.policy_version, state, self.run_info, self.incarnation)
 
     async def _republish_loop(self) -> None:
-        """Send the latest weights again when an actor subscribes (it would otherwise wait for the next update), and
-        every republish_interval_s as a safety net (a publication dropped at a full queue)."""
-        pub = self.pub
-        joined = asyncio.Event()
-        fd = pub.getsockopt(zmq.FD)
-        self._loop.add_reader(fd, joined.set)
-        next_at = time.monotonic() + self.cfg.republish_interval_s
+        """Apply subscriptions and send the latest weights again when actors have subscribed (they would otherwise
+        wait for the next update) and every republish_interval_s, at the rates publisher.py allows."""
+        pub = self.publisher
+        woken = asyncio.Event()
+        fd = pub.sock.getsockopt(zmq.FD)
+        self._loop.add_reader(fd, woken.set)
         try:
             while not self._stop.is_set():
-                subscribed = False
-                while pub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    subscribed |= pub.recv(zmq.NOBLOCK)[:1] == b"\x01"  # 1 = subscribe, 0 = unsubscribe
-                now = time.monotonic()
-                if self._weights is not None and (subscribed or now >= next_at):
-                    self._publish(self._weights)
-                    next_at = now + self.cfg.republish_interval_s
-                joined.clear()
-                if not pub.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    await _wait(joined, max(0.01, next_at - time.monotonic()))
+                pub.read_subscriptions()
+                wait_s = pub.resend_due(time.monotonic())
+                woken.clear()
+                if not pub.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    await _wait(woken, wait_s)
         finally:
             self._loop.remove_reader(fd)
+
+    async def _guard_loop(self) -> None:
+        """Connections over the limits are closed (guard.py): peers cannot make the learner hold unbounded memory."""
+        while True:
+            self.pull_guard.check()
+            self.publisher.guard.check()
+            await asyncio.sleep(self.cfg.connection_check_interval_s)
 
     # -------------------------------------------------------------------------------------------- supervision
     async def _watch_loop(self) -> None:
@@ -377,8 +430,30 @@ class LearnerServer:
         }
 
     def save_checkpoint(self) -> Path:
-        return checkpoint.save(self.logdir, self.checkpoint_state(), self.learner.env_steps_trained,
-                               keep=self.cfg.checkpoint_keep)
+        """Write a checkpoint; raises if the weights are not finite (such a checkpoint is never written) or the write
+        fails."""
+        if not self.learner.parameters_finite():
+            raise ValueError("the weights are not finite")
+        return self.checkpoints.save(self.checkpoint_state(), self.learner.env_steps_trained)
+
+    def _try_checkpoint(self) -> Path | None:
+        """save_checkpoint, with a failure (disk full, no file descriptor) reported and counted, not raised."""
+        try:
+            return self.save_checkpoint()
+        except Exception as e:
+            self.checkpoint_failures += 1
+            log.error("checkpoint failed (%d so far; retrying in %g s, training goes on): %s: %s",
+                      self.checkpoint_failures, self.cfg.checkpoint_retry_interval_s, type(e).__name__, e)
+            return None
+
+    def _final_checkpoint(self, attempts: int = 3) -> Path | None:
+        for i in range(attempts):
+            path = self._try_checkpoint()
+            if path is not None:
+                return path
+            if i + 1 < attempts:
+                time.sleep(min(1.0, self.cfg.shutdown_timeout_s / 10))
+        return None
 
     def _restore(self, state: dict) -> None:
         ing = self.ingest

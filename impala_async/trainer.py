@@ -114,7 +114,8 @@ class Trainer:
                     self._finish_copy(staged)
                 self.batches += 1
                 if stats is not None:
-                    self.policy_version += 1
+                    if not stats["skipped"]:  # a skipped update (non-finite loss) leaves the weights as they were
+                        self.policy_version += 1
                     self._on_update(self.policy_version, stats, lag)
                 staged = upcoming
                 if self._after_update():

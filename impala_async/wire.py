@@ -13,6 +13,7 @@ capped before anything is allocated, and decompression writes straight into the 
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,48 +22,62 @@ import lz4.block
 import msgpack
 import numpy as np
 
+from . import mpack
 from .spec import CHECK_ACTION, CHECK_FINITE, CHECK_FLAG, TrajectorySpec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 TYPE_TRAJECTORIES = "trajectories"
 TYPE_WEIGHTS = "weights"
 CODEC_LZ4 = "lz4"
 CODEC_NONE = "none"
 CODECS = (CODEC_LZ4, CODEC_NONE)
 
-_REQUIRED_KEYS = frozenset({"v", "type", "actor", "seq", "policy_version", "n", "episodes", "fields"})
-_OPTIONAL_KEYS = frozenset({"sent_at_ns"})
-_FIELD_KEYS = frozenset({"dtype", "shape", "codec", "data"})
 _MAX_UINT63 = (1 << 63) - 1
+_MAX_KEY_BYTES = 32  # longer than any key of the layout
+_MAX_TOP_KEYS = 16
+_FIELD_KEYS = (b"dtype", b"shape", b"codec", b"data")
+_CODECS_RAW = {c.encode(): c for c in CODECS}
+_MAX_SHAPE_DIMS = 8
+_MAX_DETAIL_CHARS = 240  # a rejection's detail (it is logged) never carries more of a peer's bytes than this
 
 # Every reason a message can be rejected for; metrics count them as ``rejected_<reason>``.
 REJECT_REASONS = (
-    "malformed",  # not msgpack, or msgpack beyond the caps (lengths, nesting, extension types)
+    "malformed",  # not MessagePack, truncated, a map key that is not a short string, a top level that is not a map
     "multipart",  # more than one ZeroMQ frame
     "too_large",  # over max_message_bytes
     "bad_version",  # unknown protocol version
     "bad_type",  # unknown message type
-    "bad_header",  # a header field missing, of the wrong type or out of range
-    "bad_field",  # field set, dtype, shape, codec or payload count differs from the spec
+    "bad_header",  # a header key missing, unknown or repeated, of the wrong type or out of range
+    "bad_field",  # field set, dtype, shape, codec or payload type differs from the spec
     "bad_size",  # payload length or LZ4 size header differs from the spec's size
     "bad_lz4",  # LZ4 block invalid or decompressing to the wrong length
     "nonfinite",  # NaN or infinity in a float field
     "bad_action",  # action index outside [0, num_actions)
     "bad_flag",  # terminated/truncated not 0 or 1
-    "future_version",  # policy version newer than the learner's
-    "replay",  # (actor id, sequence number) not newer than the last one seen
+    "inconsistent",  # fields that contradict each other: terminated and truncated both 1 at a step, or a non-zero
+    #                  truncation_value where the step was not truncated
+    "future_version",  # policy version newer than the learner's, in this learner's incarnation
+    "replay",  # (actor id, sequence number) not newer than the last one accepted
     "bad_identity",  # with CURVE: no authenticated key name on the message
 )
 
 
 class Rejected(Exception):
-    """A message that breaks the protocol. ``reason`` is one of REJECT_REASONS."""
+    """A message that breaks the protocol. ``reason`` is one of REJECT_REASONS; ``detail`` is short (it is logged)."""
 
     def __init__(self, reason: str, detail: str):
         assert reason in REJECT_REASONS, reason
+        if len(detail) > _MAX_DETAIL_CHARS:
+            detail = detail[:_MAX_DETAIL_CHARS] + "..."
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+def short_repr(value, max_chars: int = 48) -> str:
+    """``repr`` of a peer's value, escaped and cut to ``max_chars`` (for log lines and rejection details)."""
+    text = repr(value if not isinstance(value, bytes | bytearray | memoryview) else bytes(value[:max_chars]))
+    return text if len(text) <= max_chars else text[:max_chars] + "..."
 
 
 @dataclass(frozen=True)
@@ -71,15 +86,18 @@ class WireLimits:
     max_trajectories_per_message: int = 256
     max_episodes_per_message: int = 4096
     max_actor_id_bytes: int = 64
+    max_abs_episode_return: float = 1e12
+    max_episode_length_steps: int = 1 << 40
 
 
 class TrajectoryMessage(NamedTuple):
     actor_id: str
     seq: int
     policy_version: int
+    incarnation: int
     n: int
     episodes: list  # [[return: float, length: int], ...]
-    fields: dict  # name -> (codec, [payload bytes] * n)
+    fields: dict  # name -> (codec, payload: bytes-like)
     sent_at_ns: int | None
 
 
@@ -89,11 +107,12 @@ def _compress(a: np.ndarray, codec: str) -> bytes:
     return a.tobytes()
 
 
-def encode_trajectories(spec: TrajectorySpec, *, actor_id: str, seq: int, policy_version: int,
+def encode_trajectories(spec: TrajectorySpec, *, actor_id: str, seq: int, policy_version: int, incarnation: int,
                         arrays: dict[str, np.ndarray], episodes=(), codec: str = CODEC_LZ4,
                         sent_at_ns: int | None = None) -> bytes:
     """Encode ``n`` trajectories; ``arrays[name]`` is ``[n, *field.shape]`` for every field of ``spec``.
-    Each field travels as one payload holding all ``n`` trajectories (trajectory-major)."""
+    Each field travels as one payload holding all ``n`` trajectories (trajectory-major). ``policy_version`` and
+    ``incarnation`` are those of the weights message whose policy chose the actions."""
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
     n = len(arrays[spec.fields[0].name])
@@ -104,105 +123,187 @@ def encode_trajectories(spec: TrajectorySpec, *, actor_id: str, seq: int, policy
             raise ValueError(f"field {f.name!r}: shape {a.shape}, expected {(n, *f.shape)}")
         fields[f.name] = {"dtype": f.wire_dtype, "shape": list(f.shape), "codec": codec, "data": _compress(a, codec)}
     msg = {"v": PROTOCOL_VERSION, "type": TYPE_TRAJECTORIES, "actor": actor_id, "seq": seq,
-           "policy_version": policy_version, "n": n,
+           "policy_version": policy_version, "incarnation": incarnation, "n": n,
            "episodes": [[float(r), int(length)] for r, length in episodes], "fields": fields}
     if sent_at_ns is not None:
         msg["sent_at_ns"] = int(sent_at_ns)
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def _is_int(x) -> bool:
-    return type(x) is int  # bool is an int subclass and is not accepted
-
-
 FINITE_CHUNK = 1 << 16  # elements per finiteness check (bounds its temporary)
+_HEADER_UINTS = {b"seq": "seq", b"policy_version": "policy_version", b"incarnation": "incarnation", b"n": "n",
+                 b"sent_at_ns": "sent_at_ns"}
+_REQUIRED = ("actor", "seq", "policy_version", "incarnation", "n", "episodes", "fields")
 
 
 class TrajectoryDecoder:
-    """Validates trajectory messages against a spec and decodes them into caller-provided arrays."""
+    """Validates trajectory messages against a spec and decodes them into caller-provided arrays.
+
+    ``parse`` walks the fixed layout of docs/protocol.md with :class:`mpack.Reader` and reads nothing else: the work
+    and memory a message costs are bounded by the layout and the limits (about 3 objects per episode entry plus 60),
+    however the bytes are arranged."""
 
     def __init__(self, spec: TrajectorySpec, limits: WireLimits = WireLimits()):
         self.spec = spec
         self.limits = limits
         self._fields = spec.fields
-        self._expected = {f.name: (f.wire_dtype, list(f.shape)) for f in self._fields}
+        self._expected = {f.name.encode(): (f.name, f.wire_dtype.encode(), f.shape) for f in self._fields}
         # decode_into's per-field plan: (name, bytes per trajectory, check, its argument).
         self._plan = [(f.name, f.nbytes, f.check, spec.num_actions if f.check == CHECK_ACTION else None)
                       for f in self._fields]
-        self._unpack = dict(
-            raw=False, strict_map_key=True, use_list=True,
-            max_str_len=max(256, limits.max_actor_id_bytes), max_bin_len=limits.max_message_bytes,
-            max_array_len=max(limits.max_episodes_per_message, 16), max_map_len=16, max_ext_len=0)
+        self._nbytes = {f.name: f.nbytes for f in self._fields}
+        # The bytes of each field's key and its entry up to the payload, as msgpack writes the canonical order
+        # (dtype, shape, codec, data): most messages take this fast path; any other order takes the general one.
+        self._prefixes = [(f.name, [(codec, msgpack.packb(f.name) + b"\x84" + b"".join(
+            msgpack.packb(x) for x in ("dtype", f.wire_dtype, "shape", list(f.shape), "codec", codec, "data")))
+            for codec in CODECS]) for f in self._fields]
 
     def parse(self, buf) -> TrajectoryMessage:
         """Check everything but the payloads' contents. Raises :class:`Rejected`."""
         if len(buf) > self.limits.max_message_bytes:
             raise Rejected("too_large", f"{len(buf)} bytes > max_message_bytes={self.limits.max_message_bytes}")
+        r = mpack.Reader(buf)
         try:
-            msg = msgpack.unpackb(buf, **self._unpack)
-        except Exception as e:  # msgpack raises ValueError, ExtraData, StackError, FormatError, ... on hostile input
-            raise Rejected("malformed", f"{type(e).__name__}: {e}") from None
-        if type(msg) is not dict:
-            raise Rejected("malformed", f"top level is {type(msg).__name__}, expected a map")
-        if not all(type(k) is str for k in msg):  # msgpack's strict_map_key admits bin keys too
-            raise Rejected("malformed", "a map key is not a string")
-        if msg.get("v") != PROTOCOL_VERSION or not _is_int(msg.get("v")):
-            raise Rejected("bad_version", f"protocol version {msg.get('v')!r}, this learner speaks {PROTOCOL_VERSION}")
-        if msg.get("type") != TYPE_TRAJECTORIES:
-            raise Rejected("bad_type", f"message type {msg.get('type')!r}")
-        keys = msg.keys()
-        if not _REQUIRED_KEYS <= keys or not keys <= _REQUIRED_KEYS | _OPTIONAL_KEYS:
-            raise Rejected("bad_header", f"keys {sorted(map(repr, keys))}, required {sorted(_REQUIRED_KEYS)}")
-        actor, seq, version, n = msg["actor"], msg["seq"], msg["policy_version"], msg["n"]
-        if type(actor) is not str or not 0 < len(actor.encode()) <= self.limits.max_actor_id_bytes:
-            raise Rejected("bad_header", f"actor id must be a string of 1..{self.limits.max_actor_id_bytes} bytes")
-        if not _is_int(seq) or not 0 <= seq <= _MAX_UINT63:
-            raise Rejected("bad_header", f"seq {seq!r} is not an integer in [0, 2^63)")
-        if not _is_int(version) or not 0 <= version <= _MAX_UINT63:
-            raise Rejected("bad_header", f"policy_version {version!r} is not an integer in [0, 2^63)")
-        if not _is_int(n) or not 1 <= n <= self.limits.max_trajectories_per_message:
-            raise Rejected("bad_header", f"n={n!r} not in [1, {self.limits.max_trajectories_per_message}]")
-        sent_at = msg.get("sent_at_ns")
-        if sent_at is not None and (not _is_int(sent_at) or not 0 <= sent_at <= _MAX_UINT63):
-            raise Rejected("bad_header", "sent_at_ns is not an integer in [0, 2^63)")
-        episodes = self._check_episodes(msg["episodes"])
-        return TrajectoryMessage(actor, seq, version, n, episodes, self._check_fields(msg["fields"], n), sent_at)
-
-    def _check_episodes(self, episodes) -> list:
-        if type(episodes) is not list or len(episodes) > self.limits.max_episodes_per_message:
-            raise Rejected("bad_header", "episodes must be a list of at most max_episodes_per_message entries")
-        for ep in episodes:
-            if (type(ep) is not list or len(ep) != 2 or type(ep[0]) not in (float, int) or not _is_int(ep[1])
-                    or not math.isfinite(ep[0]) or ep[1] < 1):
-                raise Rejected("bad_header", f"episode entry {ep!r} is not [finite return, length >= 1]")
-        return episodes
-
-    def _check_fields(self, fields, n: int) -> dict:
-        if type(fields) is not dict or fields.keys() != self._expected.keys():
-            got = sorted(map(repr, fields)) if type(fields) is dict else type(fields).__name__
-            raise Rejected("bad_field", f"fields {got}, expected {sorted(self._expected)}")
-        out = {}
-        for name, per_trajectory, _, _ in self._plan:
-            entry = fields[name]
-            if type(entry) is not dict or entry.keys() != _FIELD_KEYS:
-                raise Rejected("bad_field", f"field {name!r} must be a map with keys {sorted(_FIELD_KEYS)}")
-            dtype, shape = self._expected[name]
-            if entry["dtype"] != dtype or entry["shape"] != shape:
-                raise Rejected("bad_field", f"field {name!r}: dtype {entry['dtype']!r} shape {entry['shape']!r}, "
-                                            f"expected {dtype!r} {shape!r}")
-            codec, data = entry["codec"], entry["data"]
-            if codec not in CODECS:
-                raise Rejected("bad_field", f"field {name!r}: codec {codec!r} not in {CODECS}")
-            if type(data) is not bytes:
-                raise Rejected("bad_field", f"field {name!r}: data must be binary")
-            nbytes = n * per_trajectory
+            head = self._read_top(r)
+        except mpack.Truncated as e:
+            raise Rejected("malformed", str(e)) from None
+        if not r.at_end:
+            raise Rejected("malformed", "bytes after the end of the message map")
+        if "v" not in head:
+            raise Rejected("bad_version", f"no protocol version; this learner speaks {PROTOCOL_VERSION}")
+        if "type" not in head:
+            raise Rejected("bad_type", "no message type")
+        missing = [k for k in _REQUIRED if k not in head]
+        if missing:
+            raise Rejected("bad_header", f"missing keys {missing}")
+        n = head["n"]
+        if not 1 <= n <= self.limits.max_trajectories_per_message:
+            raise Rejected("bad_header", f"n={n} not in [1, {self.limits.max_trajectories_per_message}]")
+        fields = head["fields"]
+        for name, (codec, data) in fields.items():
+            nbytes = n * self._nbytes[name]
             if codec == CODEC_NONE:
                 if len(data) != nbytes:
                     raise Rejected("bad_size", f"field {name!r}: {len(data)} bytes, spec says {nbytes}")
             elif len(data) < 5 or int.from_bytes(data[:4], "little") != nbytes:
                 claimed = int.from_bytes(data[:4], "little") if len(data) >= 4 else None
                 raise Rejected("bad_size", f"field {name!r}: LZ4 header claims {claimed} bytes, spec says {nbytes}")
-            out[name] = (codec, data)
+        return TrajectoryMessage(head["actor"], head["seq"], head["policy_version"], head["incarnation"], n,
+                                 head["episodes"], fields, head.get("sent_at_ns"))
+
+    def _read_top(self, r: mpack.Reader) -> dict:
+        try:
+            count = r.map_header()
+        except mpack.WrongKind as e:
+            raise Rejected("malformed", f"the message is not a map: {e}") from None
+        if count > _MAX_TOP_KEYS:
+            raise Rejected("bad_header", f"a map of {count} keys; the layout has at most {_MAX_TOP_KEYS}")
+        head: dict = {}
+        for _ in range(count):
+            try:
+                raw = r.raw_str(_MAX_KEY_BYTES)
+            except mpack.WrongKind as e:
+                raise Rejected("malformed", f"a map key: {e}") from None
+            key = raw.decode("utf-8", "replace")
+            if key in head:
+                raise Rejected("bad_header", f"key {short_repr(key)} twice")
+            try:
+                head[key] = self._read_value(r, raw)
+            except mpack.WrongKind as e:
+                reason = {b"v": "bad_version", b"type": "bad_type", b"fields": "bad_field"}.get(raw, "bad_header")
+                raise Rejected(reason, f"{short_repr(key)}: {e}") from None
+        return head
+
+    def _read_value(self, r: mpack.Reader, key: bytes):
+        if key in _HEADER_UINTS:
+            if key == b"sent_at_ns" and r.is_nil():
+                raise Rejected("bad_header", "sent_at_ns is nil: leave the key out instead")
+            value = r.int()
+            if not 0 <= value <= _MAX_UINT63:
+                raise Rejected("bad_header", f"{key.decode()}={value} is not in [0, 2^63)")
+            if key == b"incarnation" and value == 0:
+                raise Rejected("bad_header", "incarnation 0: copy it from the weights message")
+            return value
+        if key == b"v":
+            v = r.int()
+            if v != PROTOCOL_VERSION:
+                raise Rejected("bad_version", f"protocol version {v}, this learner speaks {PROTOCOL_VERSION}")
+            return v
+        if key == b"type":
+            t = r.raw_str(_MAX_KEY_BYTES)
+            if t != b"trajectories":
+                raise Rejected("bad_type", f"message type {short_repr(t)}")
+            return t
+        if key == b"actor":
+            actor = r.str(self.limits.max_actor_id_bytes)
+            if not actor:
+                raise Rejected("bad_header", "empty actor id")
+            return actor
+        if key == b"episodes":
+            return self._read_episodes(r)
+        if key == b"fields":
+            return self._read_fields(r)
+        raise Rejected("bad_header", f"unknown key {short_repr(key.decode('utf-8', 'replace'))} (protocol "
+                                     f"{PROTOCOL_VERSION} is closed)")
+
+    def _read_episodes(self, r: mpack.Reader) -> list:
+        lim = self.limits
+        count = r.array_header()
+        if count > lim.max_episodes_per_message:
+            raise Rejected("bad_header", f"{count} episodes > max_episodes_per_message={lim.max_episodes_per_message}")
+        episodes = []
+        for _ in range(count):
+            if r.array_header() != 2:
+                raise Rejected("bad_header", "an episode entry is not [return, length]")
+            ret, length = r.number(), r.int()
+            if not (math.isfinite(ret) and abs(ret) <= lim.max_abs_episode_return
+                    and 1 <= length <= lim.max_episode_length_steps):
+                raise Rejected("bad_header", f"episode [{short_repr(ret)}, {length}]: the return must be finite and "
+                                             f"within +-{lim.max_abs_episode_return:g}, the length in "
+                                             f"[1, {lim.max_episode_length_steps}]")
+            episodes.append([ret, length])
+        return episodes
+
+    def _read_fields(self, r: mpack.Reader) -> dict:
+        count = r.map_header()
+        if count != len(self._expected):
+            raise Rejected("bad_field", f"{count} fields, the spec has {len(self._expected)}: "
+                                        f"{sorted(f.name for f in self._fields)}")
+        out = {}
+        for name, by_codec in self._prefixes:  # the fast path: fields in spec order, entries in canonical order
+            codec = next((codec for codec, prefix in by_codec if r.skip_prefix(prefix)), None)
+            if codec is None:
+                break
+            out[name] = (codec, r.bin())
+        for _ in range(count - len(out)):
+            raw = r.raw_str(_MAX_KEY_BYTES)
+            if raw not in self._expected or self._expected[raw][0] in out:
+                raise Rejected("bad_field", f"field {short_repr(raw.decode('utf-8', 'replace'))} unknown or "
+                                            f"repeated; expected {sorted(f.name for f in self._fields)}")
+            name, dtype, shape = self._expected[raw]
+            if r.map_header() != 4:
+                raise Rejected("bad_field", f"field {name!r} must be a map with keys dtype, shape, codec, data")
+            entry = {}
+            for _ in range(4):
+                k = r.raw_str(_MAX_KEY_BYTES)
+                if k not in _FIELD_KEYS or k in entry:
+                    raise Rejected("bad_field", f"field {name!r}: key {short_repr(k)} unknown or repeated")
+                if k == b"shape":
+                    dims = r.array_header()
+                    if dims > _MAX_SHAPE_DIMS:
+                        raise Rejected("bad_field", f"field {name!r}: a shape of {dims} dimensions")
+                    entry[k] = tuple(r.int() for _ in range(dims))
+                elif k == b"data":
+                    entry[k] = r.bin()
+                else:
+                    entry[k] = r.raw_str(_MAX_KEY_BYTES)
+            if entry[b"dtype"] != dtype or entry[b"shape"] != shape:
+                raise Rejected("bad_field", f"field {name!r}: dtype {short_repr(entry[b'dtype'])} shape "
+                                            f"{list(entry[b'shape'])}, expected {dtype.decode()!r} {list(shape)}")
+            codec = _CODECS_RAW.get(entry[b"codec"])
+            if codec is None:
+                raise Rejected("bad_field", f"field {name!r}: codec {short_repr(entry[b'codec'])} not in {CODECS}")
+            out[name] = (codec, entry[b"data"])
         return out
 
     def decode_into(self, msg: TrajectoryMessage, dest: dict[str, np.ndarray]) -> None:
@@ -236,6 +337,11 @@ class TrajectoryDecoder:
             elif check == CHECK_FLAG:
                 if out.tobytes().translate(None, b"\x00\x01"):
                     raise Rejected("bad_flag", f"field {name!r} holds values other than 0 and 1")
+        truncated = dest["truncated"]
+        if (dest["terminated"] & truncated).any():
+            raise Rejected("inconsistent", "terminated and truncated both 1 at a step (a terminal state is not cut)")
+        if (dest["truncation_value"].reshape(truncated.shape)[truncated == 0] != 0).any():
+            raise Rejected("inconsistent", "truncation_value is non-zero at a step that was not truncated")
 
 
 _MAX_U32 = np.maximum.reduce
@@ -245,35 +351,46 @@ _ISFINITE = np.isfinite
 # ---------------------------------------------------------------------------------------------------- weights
 class WeightsMessage(NamedTuple):
     version: int
+    incarnation: int
     run_info: dict
     tensors: dict  # name -> np.ndarray
 
 
-def encode_weights(version: int, tensors: dict[str, np.ndarray], run_info: dict) -> bytes:
+def new_incarnation() -> int:
+    """A learner's incarnation: random in [1, 2^63), drawn at every start (a restart from a checkpoint included)."""
+    return secrets.randbelow(_MAX_UINT63) + 1
+
+
+def encode_weights(version: int, tensors: dict[str, np.ndarray], run_info: dict, incarnation: int) -> bytes:
     """``tensors``: name -> array (as in a model's state_dict), sent uncompressed, little-endian."""
     out = {}
     for name, a in tensors.items():
         a = np.ascontiguousarray(a)
         a = a.astype(a.dtype.newbyteorder("<"), copy=False)
         out[name] = {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
-    return msgpack.packb({"v": PROTOCOL_VERSION, "type": TYPE_WEIGHTS, "version": int(version), "run": run_info,
-                          "tensors": out}, use_bin_type=True)
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": TYPE_WEIGHTS, "version": int(version),
+                          "incarnation": int(incarnation), "run": run_info, "tensors": out}, use_bin_type=True)
 
 
-def weights_version(buf) -> int | None:
-    """The policy version of a weights message, read without decoding its tensors (None if it is not one).
+def weights_header(buf) -> tuple[int, int] | None:
+    """``(version, incarnation)`` of a weights message, read without decoding its tensors (None if it is not one).
 
-    Lets an actor skip the re-sent copies of weights it already has at the cost of reading three keys."""
+    Lets an actor skip the re-sent copies of weights it already has at the cost of reading a few keys. Both numbers
+    are needed: after a learner restart the same version number names other weights."""
     try:
-        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(buf), max_ext_len=0)
-        unpacker.feed(buf)
-        for _ in range(unpacker.read_map_header()):
-            key = unpacker.unpack()
-            if key == "version":
-                version = unpacker.unpack()
-                return version if _is_int(version) else None
-            unpacker.skip()
-    except Exception:
+        r = mpack.Reader(buf)
+        found = {}
+        for _ in range(r.map_header()):
+            key = r.raw_str(_MAX_KEY_BYTES)
+            if key in (b"version", b"incarnation"):
+                found[key] = r.int()
+                if len(found) == 2:
+                    return found[b"version"], found[b"incarnation"]
+            elif key in (b"v", b"type"):
+                r.number() if key == b"v" else r.raw_str(_MAX_KEY_BYTES)
+            else:
+                return None  # the learner writes version and incarnation before run and tensors
+    except (mpack.Truncated, mpack.WrongKind):
         return None
     return None
 
@@ -283,14 +400,15 @@ def decode_weights(buf, max_message_bytes: int) -> WeightsMessage:
     if len(buf) > max_message_bytes:
         raise Rejected("too_large", f"weights message of {len(buf)} bytes > {max_message_bytes}")
     try:
-        msg = msgpack.unpackb(buf, raw=False, strict_map_key=True,
-                              max_ext_len=0)
+        msg = msgpack.unpackb(buf, raw=False, strict_map_key=True, max_ext_len=0)
     except Exception as e:
         raise Rejected("malformed", f"{type(e).__name__}: {e}") from None
     if type(msg) is not dict or msg.get("v") != PROTOCOL_VERSION:
-        raise Rejected("bad_version", "not a version-1 message")
+        version = msg.get("v") if type(msg) is dict else None
+        raise Rejected("bad_version", f"weights of protocol version {short_repr(version)}; this actor speaks "
+                                      f"{PROTOCOL_VERSION}")
     if msg.get("type") != TYPE_WEIGHTS:
-        raise Rejected("bad_type", f"message type {msg.get('type')!r}")
+        raise Rejected("bad_type", f"message type {short_repr(msg.get('type'))}")
     try:
         tensors = {}
         for name, t in msg["tensors"].items():
@@ -298,6 +416,13 @@ def decode_weights(buf, max_message_bytes: int) -> WeightsMessage:
             if dtype.hasobject or dtype.kind not in "fiub":
                 raise ValueError(f"dtype {dtype} not allowed")
             tensors[name] = np.frombuffer(t["data"], dtype=dtype).reshape(t["shape"]).copy()  # writable
-        return WeightsMessage(int(msg["version"]), dict(msg["run"]), tensors)
+        incarnation = msg["incarnation"]
+        if not _is_int(incarnation) or not 1 <= incarnation <= _MAX_UINT63:
+            raise ValueError("incarnation is not an integer in [1, 2^63)")
+        return WeightsMessage(int(msg["version"]), incarnation, dict(msg["run"]), tensors)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise Rejected("bad_field", f"weights: {type(e).__name__}: {e}") from None
+
+
+def _is_int(x) -> bool:
+    return type(x) is int  # bool is an int subclass and is not accepted

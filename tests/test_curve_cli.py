@@ -84,7 +84,7 @@ def test_only_the_listed_actor_gets_in(tmp_path, key_dirs):
             push.connect(listen)
             sub.connect(weights)
             clients.append((push, sub))
-        messages = (wire.encode_trajectories(SPEC, actor_id=f"refused-{i}", seq=seq, policy_version=0,
+        messages = (wire.encode_trajectories(SPEC, actor_id=f"refused-{i}", seq=seq, policy_version=0, incarnation=1,
                                              arrays=random_arrays(SPEC, 1, seed=seq))
                     for seq in range(1 << 30) for i in range(len(clients)))
         deadline = time.monotonic() + NOTHING_ARRIVES_S

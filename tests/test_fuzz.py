@@ -30,7 +30,7 @@ FUZZ = settings(max_examples=400, deadline=None, database=None, suppress_health_
 
 def valid_message(spec_name: str, n: int, codec: str, seed: int = 0) -> bytes:
     spec = SPECS[spec_name]
-    return wire.encode_trajectories(spec, actor_id=f"fuzz/{seed}", seq=seed, policy_version=2,
+    return wire.encode_trajectories(spec, actor_id=f"fuzz/{seed}", seq=seed, policy_version=2, incarnation=1,
                                     arrays=random_arrays(spec, n, seed=seed), episodes=[(1.5, 3)], codec=codec,
                                     sent_at_ns=10**18)
 
@@ -233,6 +233,15 @@ def _verdict(field, a: np.ndarray, num_actions: int) -> str | None:
     return None
 
 
+def _cross_verdict(values: dict[str, np.ndarray]) -> str | None:
+    """The rules between fields (docs/protocol.md): not terminated and truncated at once; a truncation value only
+    where the step was truncated."""
+    term, trunc = values["terminated"], values["truncated"]
+    if (term & trunc).any() or (values["truncation_value"][trunc == 0] != 0).any():
+        return "inconsistent"
+    return None
+
+
 @FUZZ
 @given(case=payload_mutation())
 def test_payload_mutations_against_an_oracle(case):
@@ -252,6 +261,9 @@ def test_payload_mutations_against_an_oracle(case):
         want = _verdict(f, np.frombuffer(content, f.dtype), spec.num_actions)
         if want:
             break
+    else:
+        want = _cross_verdict({name: np.frombuffer(plan[name][1], spec.field_map[name].dtype)
+                               for name in ("terminated", "truncated", "truncation_value")})
     try:
         decoder.decode_into(msg, dest)
     except wire.Rejected as e:
@@ -259,7 +271,7 @@ def test_payload_mutations_against_an_oracle(case):
         if certain:
             assert e.reason == want, (e.reason, want)
         else:
-            assert want is None and e.reason in ("bad_lz4", "nonfinite", "bad_action", "bad_flag")
+            assert want is None and e.reason in ("bad_lz4", "nonfinite", "bad_action", "bad_flag", "inconsistent")
         return
     event("accepted")
     assert want is None, f"accepted a message that must be rejected as {want}"
@@ -302,7 +314,7 @@ def expected_reason(spec: TrajectorySpec, arrays) -> str | None:
             return "bad_action"
         if f.check == CHECK_FLAG and not np.isin(a, (0, 1)).all():
             return "bad_flag"
-    return None
+    return _cross_verdict(arrays)
 
 
 @FUZZ
@@ -310,7 +322,8 @@ def expected_reason(spec: TrajectorySpec, arrays) -> str | None:
 def test_array_values_are_checked_exactly(case):
     spec_name, arrays, codec = case
     spec, decoder = SPECS[spec_name], DECODERS[spec_name]
-    data = wire.encode_trajectories(spec, actor_id="a", seq=0, policy_version=0, arrays=arrays, codec=codec)
+    data = wire.encode_trajectories(spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays,
+                                    codec=codec)
     msg = decoder.parse(data)  # the header is valid whatever the values
     dest = destinations(spec, msg.n)
     want = expected_reason(spec, arrays)
@@ -337,8 +350,8 @@ def test_one_nonfinite_anywhere_in_a_large_message_is_found(index, value, codec)
     decoder = wire.TrajectoryDecoder(BIG, wire.WireLimits(max_trajectories_per_message=BIG_N))
     arrays = random_arrays(BIG, BIG_N, seed=5)
     arrays["obs"].reshape(-1)[index] = value
-    msg = decoder.parse(wire.encode_trajectories(BIG, actor_id="a", seq=0, policy_version=0, arrays=arrays,
-                                                 codec=codec))
+    msg = decoder.parse(wire.encode_trajectories(BIG, actor_id="a", seq=0, policy_version=0, incarnation=1,
+                                                 arrays=arrays, codec=codec))
     with pytest.raises(wire.Rejected, match="nonfinite"):
         decoder.decode_into(msg, destinations(BIG, BIG_N))
 

@@ -52,6 +52,7 @@ class Learner:
         assert self.sub.poll(15_000, zmq.POLLIN), "no weights message from the learner within 15 s\n" + tail(self.log)
         msg = wire.decode_weights(self.sub.recv(), 64 << 20)
         self.spec = TrajectorySpec.from_dict(msg.run_info["spec"])
+        self.incarnation = msg.incarnation
         return msg
 
     def version(self) -> int:
@@ -77,11 +78,13 @@ def push_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return s
 
 
-def valid_message(spec: TrajectorySpec, *, actor: str, seq: int, version: int, seed: int = 0, **arrays_override):
+def valid_message(spec: TrajectorySpec, *, actor: str, seq: int, version: int, incarnation: int, seed: int = 0,
+                  **arrays_override):
     arrays = random_arrays(spec, 1, seed=seed)
     for name, mutate in arrays_override.items():
         mutate(arrays[name])
-    return wire.encode_trajectories(spec, actor_id=actor, seq=seq, policy_version=version, arrays=arrays)
+    return wire.encode_trajectories(spec, actor_id=actor, seq=seq, policy_version=version, incarnation=incarnation,
+                                    arrays=arrays)
 
 
 def repacked(data: bytes, mutate) -> bytes:
@@ -135,7 +138,8 @@ def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
                              f"rejected_{reason} to reach {expected[reason]}")
 
     def valid(**kw) -> bytes:
-        return valid_message(spec, actor="hostile-test", seq=next(seq), version=learner.version(), **kw)
+        return valid_message(spec, actor="hostile-test", seq=next(seq), version=learner.version(),
+                             incarnation=learner.incarnation, **kw)
 
     # --- not MessagePack, or MessagePack beyond the caps
     noise = np.random.default_rng(7).bytes(4096)
@@ -147,7 +151,7 @@ def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
     send(b"\x91" * 100_000 + b"\xc0", "malformed")  # 10^5 levels of nesting
 
     # --- header and field errors
-    send(repacked(valid(), lambda m: m.update(v=2)), "bad_version")
+    send(repacked(valid(), lambda m: m.update(v=3)), "bad_version")
     send(repacked(valid(), lambda m: m["fields"]["reward"].update(
         dtype="<f8", codec="none", data=np.zeros(T, "<f8").tobytes())), "bad_field")  # wrong dtype (size consistent)
     send(repacked(valid(), lambda m: m["fields"]["obs"].update(shape=[T + 1, 5])), "bad_field")  # wrong shape
@@ -175,8 +179,8 @@ def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
     send(valid(terminated=lambda a: a.__setitem__((0, 1), 2)), "bad_flag")
 
     # --- policy version from the future, replayed (actor id, seq)
-    send(valid_message(spec, actor="hostile-test", seq=next(seq), version=learner.version() + 1_000_000),
-         "future_version")
+    send(valid_message(spec, actor="hostile-test", seq=next(seq), version=learner.version() + 1_000_000,
+                       incarnation=learner.incarnation), "future_version")
     replayed = valid()
     push.send(replayed)
     send(replayed, "replay")
@@ -213,7 +217,8 @@ def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
     # ... and a fresh connection is served: an honest message is accepted whole. Proof: its replay (sent behind it on
     # the same connection) is the only new rejection, so the honest one went through every check before it.
     fresh = push_socket(ctx, learner.endpoint)
-    honest = valid_message(spec, actor="fresh-connection", seq=0, version=learner.version(), seed=3)
+    honest = valid_message(spec, actor="fresh-connection", seq=0, version=learner.version(),
+                           incarnation=learner.incarnation, seed=3)
     before = learner.metrics()
     fresh.send(honest)
     fresh.send(honest)
@@ -241,7 +246,8 @@ def test_bin_map_key_does_not_stop_the_learner(tmp_path, ctx):
         learner.weights()
         spec = learner.spec
         push = push_socket(ctx, learner.endpoint)
-        msg = msgpack.unpackb(valid_message(spec, actor="bin-key", seq=0, version=0), raw=False)
+        msg = msgpack.unpackb(valid_message(spec, actor="bin-key", seq=0, version=0, incarnation=learner.incarnation),
+                              raw=False)
         msg[b"x"] = 1  # docs/protocol.md: keys are strings; a non-string key is 'malformed'
         push.send(msgpack.packb(msg, use_bin_type=True))
         row = learner.wait_metrics(lambda r: r["messages_rejected"] >= 1, "the bin-key message to be rejected")

@@ -26,7 +26,7 @@ def decode_all(decoder, data):
 def test_round_trip(codec, spec_name, request):
     spec = request.getfixturevalue(spec_name)
     arrays = random_arrays(spec, 3, seed=1)
-    data = wire.encode_trajectories(spec, actor_id="host/1/ab", seq=7, policy_version=3, arrays=arrays,
+    data = wire.encode_trajectories(spec, actor_id="host/1/ab", seq=7, policy_version=3, incarnation=1, arrays=arrays,
                                     episodes=[(12.5, 40), (3, 2)], codec=codec, sent_at_ns=123)
     msg, dest = decode_all(wire.TrajectoryDecoder(spec), data)
     assert (msg.actor_id, msg.seq, msg.policy_version, msg.n, msg.sent_at_ns) == ("host/1/ab", 7, 3, 3, 123)
@@ -42,8 +42,8 @@ def handmade_message(spec: TrajectorySpec, arrays, **override) -> dict:
         raw = arrays[f.name].astype(f.dtype).tobytes()  # all n trajectories, trajectory-major
         fields[f.name] = {"dtype": f.dtype.str, "shape": list(f.shape), "codec": "lz4",
                           "data": len(raw).to_bytes(4, "little") + lz4.block.compress(raw, store_size=False)}
-    msg = {"v": 1, "type": "trajectories", "actor": "other-language-actor", "seq": 0, "policy_version": 0,
-           "n": len(arrays["obs"]), "episodes": [], "fields": fields}
+    msg = {"v": 2, "type": "trajectories", "actor": "other-language-actor", "seq": 0, "policy_version": 0,
+           "incarnation": 12345, "n": len(arrays["obs"]), "episodes": [], "fields": fields}
     msg.update(override)
     return msg
 
@@ -69,8 +69,10 @@ def test_header_rejections(cartpole_spec):
     def reason(**override):
         return parse_reason(spec, msgpack.packb(handmade_message(spec, arrays, **override)))
 
-    assert reason(v=2) == "bad_version"
+    assert reason(v=1) == "bad_version"  # protocol 1 had no incarnation
+    assert reason(v=3) == "bad_version"
     assert reason(v=True) == "bad_version"
+    assert reason(v=2.0) == "bad_version"
     assert reason(type="weights") == "bad_type"
     assert reason(actor="") == "bad_header"
     assert reason(actor="x" * 65) == "bad_header"
@@ -79,12 +81,28 @@ def test_header_rejections(cartpole_spec):
     assert reason(policy_version="3") == "bad_header"
     assert reason(n=2) == "bad_size"  # payloads hold one trajectory, n says two
     assert reason(n=0) == "bad_header"
+    assert reason(n=True) == "bad_header"
+    assert reason(incarnation=0) == "bad_header"
+    assert reason(incarnation=-5) == "bad_header"
+    assert reason(incarnation=1.0) == "bad_header"
     assert reason(episodes=[[1.0]]) == "bad_header"
     assert reason(episodes=[[float("nan"), 3]]) == "bad_header"
+    assert reason(episodes=[[1e300, 3]]) == "bad_header"  # beyond max_abs_episode_return: no absurd return means
+    assert reason(episodes=[[1.0, 0]]) == "bad_header"
+    assert reason(episodes=[[1.0, 1 << 50]]) == "bad_header"  # beyond max_episode_length_steps
+    assert reason(episodes=[[1.0, 3.0]]) == "bad_header"
+    assert reason(sent_at_ns=None) == "bad_header"  # leave the key out instead
+    assert reason(sent_at_ns=1.5) == "bad_header"
     assert reason(extra=1) == "bad_header"
-    msg = handmade_message(spec, arrays)
-    del msg["seq"]
-    assert parse_reason(spec, msgpack.packb(msg)) == "bad_header"
+    for key in ("seq", "incarnation", "fields", "episodes"):
+        msg = handmade_message(spec, arrays)
+        del msg[key]
+        assert parse_reason(spec, msgpack.packb(msg)) == "bad_header", key
+    # A repeated key (msgpack would keep the last one silently) and trailing bytes.
+    packed = msgpack.packb(handmade_message(spec, arrays))
+    doubled = bytes([packed[0] + 1]) + packed[1:] + msgpack.packb("seq") + msgpack.packb(9)
+    assert parse_reason(spec, doubled) == "bad_header"
+    assert parse_reason(spec, packed + b"\x00") == "malformed"
 
 
 def test_field_rejections(cartpole_spec):
@@ -100,6 +118,10 @@ def test_field_rejections(cartpole_spec):
     assert reason(lambda f: f["obs"].update(dtype="<f8")) == "bad_field"
     assert reason(lambda f: f["obs"].update(dtype="|O")) == "bad_field"
     assert reason(lambda f: f["obs"].update(shape=[6, 5])) == "bad_field"
+    T1 = spec.unroll_length + 1
+    assert reason(lambda f: f["obs"].update(shape=[float(T1), 4.0])) == "bad_field"  # == [T+1, 4] in Python
+    assert reason(lambda f: f["obs"].update(shape=[True, 4])) == "bad_field"
+    assert reason(lambda f: f["obs"].update(extra=1)) == "bad_field"
     assert reason(lambda f: f["obs"].update(codec="zstd")) == "bad_field"
     assert reason(lambda f: f["obs"].update(data="not bytes")) == "bad_field"
     assert reason(lambda f: f["obs"].update(data=[f["obs"]["data"]])) == "bad_field"
@@ -126,11 +148,12 @@ def test_field_rejections(cartpole_spec):
 def test_value_rejections(cartpole_spec, field, value, why):
     arrays = random_arrays(cartpole_spec, 3)
     decoder = wire.TrajectoryDecoder(cartpole_spec)
-    decode_all(decoder, wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, arrays=arrays))
+    decode_all(decoder, wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, incarnation=1,
+                                                 arrays=arrays))
     arrays[field][1].flat[-1] = value  # one bad value in the middle trajectory rejects the whole message
     for codec in wire.CODECS:
-        data = wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, arrays=arrays,
-                                        codec=codec)
+        data = wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, incarnation=1,
+                                        arrays=arrays, codec=codec)
         with pytest.raises(wire.Rejected) as e:
             decode_all(decoder, data)
         assert e.value.reason == why
@@ -139,11 +162,12 @@ def test_value_rejections(cartpole_spec, field, value, why):
 def test_limits(cartpole_spec):
     spec = cartpole_spec
     arrays = random_arrays(spec, 4)
-    data = wire.encode_trajectories(spec, actor_id="a", seq=0, policy_version=0, arrays=arrays)
+    data = wire.encode_trajectories(spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays)
     assert parse_reason(spec, data, wire.WireLimits(max_message_bytes=len(data) - 1)) == "too_large"
     assert parse_reason(spec, data, wire.WireLimits(max_trajectories_per_message=3)) == "bad_header"
     eps = [(1.0, 1)] * 5
-    data = wire.encode_trajectories(spec, actor_id="a", seq=0, policy_version=0, arrays=arrays, episodes=eps)
+    data = wire.encode_trajectories(spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays,
+                                    episodes=eps)
     assert parse_reason(spec, data, wire.WireLimits(max_episodes_per_message=4)) in ("malformed", "bad_header")
 
 
@@ -156,27 +180,72 @@ def test_limits(cartpole_spec):
     b"\xc6\xff\xff\xff\xff",  # bin32 claiming 4 GiB
 ])
 def test_hostile_msgpack(cartpole_spec, data):
-    assert parse_reason(cartpole_spec, data) in ("malformed", "bad_version")
+    assert parse_reason(cartpole_spec, data) in ("malformed", "bad_version", "bad_header")
+
+
+def test_parse_work_is_bounded_by_the_layout(cartpole_spec):
+    """16 MiB of nested 4096-element arrays is 16.7M objects, which msgpack.unpackb builds in seconds and a GiB
+    before anything checks them. In any header position the reader stops at the first value of the wrong kind."""
+    import time
+
+    row = b"\xdc\x10\x00" + b"\x01" * 4096  # array16 of 4096 fixints
+    tree = b"\xdc\x10\x00" + row * 4095  # ... 4096 of them: 16 MiB
+    limits = wire.WireLimits(max_message_bytes=32 << 20)
+    for key in ("v", "actor", "seq", "episodes", "fields", "sent_at_ns"):
+        data = b"\x81" + msgpack.packb(key) + tree
+        t0 = time.perf_counter()
+        assert parse_reason(cartpole_spec, data, limits) in ("bad_version", "bad_header", "bad_field"), key
+        assert time.perf_counter() - t0 < 0.05, key  # a few microseconds in fact; msgpack took about a second
 
 
 def test_weights_round_trip():
     tensors = {"a.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array([1, 2], np.int64)}
     info = {"env_id": "CartPole-v1", "spec": {"x": 1}}
-    msg = wire.decode_weights(wire.encode_weights(5, tensors, info), 1 << 20)
-    assert msg.version == 5 and msg.run_info == info
+    msg = wire.decode_weights(wire.encode_weights(5, tensors, info, incarnation=77), 1 << 20)
+    assert msg.version == 5 and msg.incarnation == 77 and msg.run_info == info
     for k, v in tensors.items():
         np.testing.assert_array_equal(msg.tensors[k], v)
         assert msg.tensors[k].flags.writeable
     with pytest.raises(wire.Rejected):
-        wire.decode_weights(wire.encode_weights(5, tensors, info), 10)
-    bad = msgpack.packb({"v": 1, "type": "weights", "version": 1, "run": {},
+        wire.decode_weights(wire.encode_weights(5, tensors, info, incarnation=77), 10)
+    bad = msgpack.packb({"v": 2, "type": "weights", "version": 1, "incarnation": 1, "run": {},
                          "tensors": {"x": {"dtype": "|O", "shape": [1], "data": b"12345678"}}})
     with pytest.raises(wire.Rejected):
         wire.decode_weights(bad, 1 << 20)
 
 
-def test_weights_version_without_decoding_tensors():
-    data = wire.encode_weights(42, {"w": np.zeros((1000, 100), np.float32)}, {"env_id": "x"})
-    assert wire.weights_version(data) == 42
-    assert wire.weights_version(b"\x00garbage") is None
-    assert wire.weights_version(msgpack.packb({"v": 1, "version": "7"})) is None
+def test_weights_header_without_decoding_tensors():
+    data = wire.encode_weights(42, {"w": np.zeros((1000, 100), np.float32)}, {"env_id": "x"}, incarnation=9)
+    assert wire.weights_header(data) == (42, 9)
+    assert wire.weights_header(b"\x00garbage") is None
+    assert wire.weights_header(msgpack.packb({"v": 2, "version": "7", "incarnation": 1})) is None
+    assert wire.weights_header(msgpack.packb({"v": 2, "version": 7})) is None  # no incarnation: not a v2 message
+
+
+def test_contradicting_fields_are_rejected(cartpole_spec):
+    """A step cannot be both terminal and cut by a time limit, and only a cut step carries a truncation value."""
+    decoder = wire.TrajectoryDecoder(cartpole_spec)
+
+    def verdict(mutate):
+        arrays = random_arrays(cartpole_spec, 2, seed=5)
+        arrays["terminated"][:] = 0
+        arrays["truncated"][:] = 0
+        arrays["truncation_value"][:] = 0
+        mutate(arrays)
+        data = wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, incarnation=1,
+                                        arrays=arrays)
+        try:
+            decode_all(decoder, data)
+        except wire.Rejected as e:
+            return e.reason
+        return "accepted"
+
+    def cut(a, value):
+        a["truncated"][1, 2] = 1
+        a["truncation_value"][1, 2] = value
+
+    assert verdict(lambda a: cut(a, 3.5)) == "accepted"
+    assert verdict(lambda a: cut(a, 0.0)) == "accepted"
+    assert verdict(lambda a: (cut(a, 3.5), a["terminated"].__setitem__((1, 2), 1))) == "inconsistent"
+    assert verdict(lambda a: a["truncation_value"].__setitem__((0, 4), 1e-3)) == "inconsistent"
+    assert verdict(lambda a: (cut(a, 1.0), a["truncation_value"].__setitem__((1, 3), -2.0))) == "inconsistent"

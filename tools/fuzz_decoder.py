@@ -34,12 +34,13 @@ from helpers import FUZZ_LIMITS as LIMITS  # noqa: E402  (the same specs, limits
 from helpers import FUZZ_SPECS as SPECS  # noqa: E402
 from helpers import assert_values_allowed, random_arrays  # noqa: E402
 
-KEYS = ["v", "type", "actor", "seq", "policy_version", "n", "episodes", "fields", "sent_at_ns", "dtype", "shape",
-        "codec", "data", "obs", "action", "reward", "terminated", "truncated", "truncation_value", "behaviour_logits"]
+KEYS = ["v", "type", "actor", "seq", "policy_version", "incarnation", "n", "episodes", "fields", "sent_at_ns", "dtype",
+        "shape", "codec", "data",
+        "obs", "action", "reward", "terminated", "truncated", "truncation_value", "behaviour_logits"]
 
 
 def seed_messages(spec: TrajectorySpec) -> list[bytes]:
-    return [wire.encode_trajectories(spec, actor_id=f"fuzz/{i}", seq=i, policy_version=1,
+    return [wire.encode_trajectories(spec, actor_id=f"fuzz/{i}", seq=i, policy_version=1, incarnation=7,
                                      arrays=random_arrays(spec, n, seed=i), episodes=[(1.5, 3)] * (i % 2), codec=codec,
                                      sent_at_ns=10**18 if i % 2 else None)
             for i, (n, codec) in enumerate((n, c) for n in (1, 2, 3) for c in wire.CODECS)]

@@ -74,7 +74,7 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     if first is None:
         return 3
     spec = TrajectorySpec.from_dict(first.run_info["spec"])
-    version = first.version
+    version, incarnation = first.version, first.incarnation
     T, N = spec.unroll_length, a.trajectories_per_message
     # Distinct realistic trajectories from the learner's own environment under random actions.
     env = make_env(first.run_info["env_id"], **first.run_info.get("env_kwargs", {}))
@@ -114,13 +114,14 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     start = time.monotonic()
     while not stop:
         if sub.poll(0):
-            latest = wire.weights_version(sub.recv())
-            version = version if latest is None else latest
+            latest = wire.weights_header(sub.recv())
+            version, incarnation = (version, incarnation) if latest is None else latest
         payloads = distinct[seq % len(distinct)]
         fields = {name: {"dtype": d, "shape": s, "codec": a.codec, "data": payloads[name]}
                   for name, (d, s) in field_meta.items()}
-        msg = msgpack.packb({"v": 1, "type": "trajectories", "actor": ident, "seq": seq, "policy_version": version,
-                             "n": N, "episodes": [], "fields": fields, "sent_at_ns": time.time_ns()})
+        msg = msgpack.packb({"v": wire.PROTOCOL_VERSION, "type": "trajectories", "actor": ident, "seq": seq,
+                             "policy_version": version, "incarnation": incarnation, "n": N, "episodes": [],
+                             "fields": fields, "sent_at_ns": time.time_ns()})
         if per_actor_rate:
             next_at += 1.0 / per_actor_rate
             delay = next_at - time.monotonic()

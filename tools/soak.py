@@ -58,6 +58,7 @@ def garbage_sender(listen: str, weights: str, rate_per_s: float, stop: threading
     rng = np.random.default_rng(0)
     A = spec.num_actions
     current = [first.version]  # the learner's current version: older garbage would only be dropped as stale
+    incarnation = first.incarnation
 
     def arrays():
         return {f.name: np.zeros((1, *f.shape), f.dtype) for f in spec.fields}
@@ -66,7 +67,7 @@ def garbage_sender(listen: str, weights: str, rate_per_s: float, stop: threading
         a = arrays()
         for name, value in edits.items():
             a[name].flat[0] = value
-        return wire.encode_trajectories(spec, actor_id="garbage", seq=seq,
+        return wire.encode_trajectories(spec, actor_id="garbage", seq=seq, incarnation=incarnation,
                                         policy_version=current[0] if version is None else version, arrays=a)
 
     kinds = [
