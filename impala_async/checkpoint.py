@@ -159,9 +159,13 @@ def load(path: Path, max_bytes: int, map_location="cpu") -> dict:
 
 
 def load_latest(directory: Path, max_bytes: int = 4 << 30, validate: Callable[[dict], None] | None = None,
-                map_location="cpu") -> tuple[dict, Path] | None:
+                map_location="cpu", quarantine: bool = False) -> tuple[dict, Path] | None:
     """Newest checkpoint that passes the archive checks, loads and ``validate``s (which raises to refuse it); the
-    others are skipped with a warning. None if there is none."""
+    others are skipped with a warning. None if there is none.
+
+    ``quarantine`` (a run about to resume) renames each skipped file to ``NAME.bad``: left in place, a bad checkpoint
+    would count among the newest ``keep`` and have the resumed run's good ones pruned instead, and the next resume
+    would meet it again."""
     for path in reversed(list_checkpoints(directory)):
         try:
             state = load(path, max_bytes, map_location)
@@ -170,6 +174,9 @@ def load_latest(directory: Path, max_bytes: int = 4 << 30, validate: Callable[[d
             return state, path
         except Exception as e:  # truncated, corrupt, oversized, malformed or non-finite: the previous one
             log.warning("skipping checkpoint %s: %s: %s", path, type(e).__name__, str(e)[:300])
+            if quarantine:
+                path.rename(path.with_name(path.name + ".bad"))
+                log.warning("renamed it to %s.bad", path.name)
     return None
 
 

@@ -120,7 +120,7 @@ def _config(args, **forced) -> tuple[LearnerConfig, dict | None]:
     from . import checkpoint
 
     found = checkpoint.load_latest(args.resume, max_bytes=args.max_checkpoint_bytes,
-                                   validate=checkpoint.validate_learner_state)
+                                   validate=checkpoint.validate_learner_state, quarantine=True)
     if found is None:
         raise SystemExit(f"impala-async: no usable checkpoint in {args.resume} (see the warnings above)")
     state, path = found
@@ -150,7 +150,13 @@ def cmd_actor(args) -> int:
     from . import actor
     from .procs import ActorProcesses, actor_argv
 
-    weights = args.weights or actor.weights_address(args.learner)
+    try:  # refusals come before any process starts, as one line
+        weights = args.weights or actor.weights_address(args.learner)
+        if args.curve_keys:
+            from . import auth
+            auth.load_actor_keys(args.curve_keys)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"impala-async: {e}") from None
     if args.num_actors == 1:
         return actor.run(actor.ActorConfig(
             learner=args.learner, weights=weights, index=args.index, seed=args.seed,

@@ -20,6 +20,25 @@ METRICS_FIELDS = (
     "loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac")
 
 
+def documented_metrics() -> set[str]:
+    """Every key docs/metrics.md lists, with `<reason>` expanded to the reasons the code knows."""
+    import re
+
+    from impala_async import guard, wire
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
+    keys = set()
+    for cell in re.findall(r"^\| (`[^|]+`) \|", text, flags=re.M):
+        for key in re.findall(r"`([a-z0-9_<>]+)`", cell):
+            if key.startswith("rejected_<"):
+                keys |= {f"rejected_{r}" for r in wire.REJECT_REASONS}
+            elif key.startswith("connections_cut_<"):
+                keys |= {f"connections_cut_{r}" for r in guard.CUT_REASONS}
+            else:
+                keys.add(key)
+    return keys
+
+
 def cli(*args: str, log: Path | None = None, **kw) -> subprocess.Popen:
     out = open(log, "w") if log else subprocess.DEVNULL
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -13,6 +13,7 @@ from procutil import (
     actor_pids,
     cli,
     descendants,
+    documented_metrics,
     free_port_pair,
     gone,
     read_metrics,
@@ -55,6 +56,9 @@ def test_train_end_to_end(tmp_path):
     last = rows[-1]
     missing = [f for f in METRICS_FIELDS if f not in last]
     assert not missing, missing
+    documented = documented_metrics()
+    assert set(last) == documented, (f"written, not in docs/metrics.md: {sorted(set(last) - documented)}; "
+                                     f"documented, not written: {sorted(documented - set(last))}")
     assert last["learner_steps"] > 0 and last["env_steps_trained"] >= 4000
     assert last["episodes"] > 0 and last["episode_return_mean"] > 0
     assert last["policy_version"] == last["learner_steps"]

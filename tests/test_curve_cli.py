@@ -47,7 +47,7 @@ def key_dirs(tmp_path_factory) -> tuple[Path, Path]:
     ldir, adir = root / "learner", root / "actor"
     keygen(ldir, "learner")
     keygen(adir, "actor")
-    (ldir / "allowed").mkdir()
+    (ldir / "allowed").mkdir(mode=0o700)
     shutil.copy(adir / "actor.key", ldir / "allowed" / f"{ACTOR_NAME}.key")
     shutil.copy(ldir / "learner.key", adir / "learner.key")
     return ldir, adir
@@ -132,6 +132,28 @@ def _stranger_dir(tmp_path: Path, adir: Path) -> Path:
     keygen(sdir, "actor")
     shutil.copy(adir / "learner.key", sdir / "learner.key")
     return sdir
+
+
+def test_an_actor_tells_refusal_from_absence(tmp_path, key_dirs):
+    """A refused key shows in the actor's socket monitor as HANDSHAKE_FAILED_AUTH (ZAP status 400): the actor says
+    so and exits 5; with nothing listening it says that and exits 3 (docs/protocol.md, Keys)."""
+    ldir, adir = key_dirs
+    port = free_port_pair()
+    listen = f"tcp://127.0.0.1:{port}"
+    logdir, llog = tmp_path / "run", tmp_path / "learner.log"
+    learner = cli("learner", *LEARNER_FLAGS, "--curve-keys", str(ldir), "--listen", listen, "--logdir", str(logdir),
+                  log=llog)
+    try:
+        wait_for(lambda: "listening" in llog.read_text(), 60, "the learner to start", learner, llog)
+        refused = run_cli("actor", "--curve-keys", str(_stranger_dir(tmp_path, adir)), "--learner", listen,
+                          "--max-wait-for-weights-s", "3")
+        assert refused.returncode == 5, refused.stderr
+        assert "refused this actor's key" in refused.stderr
+    finally:
+        stop(learner)
+    absent = run_cli("actor", "--learner", f"tcp://127.0.0.1:{free_port_pair()}", "--max-wait-for-weights-s", "2")
+    assert absent.returncode == 3, absent.stderr
+    assert "nothing accepted a connection" in absent.stderr
 
 
 def test_train_with_curve_gives_its_local_actors_a_key(tmp_path, key_dirs):

@@ -82,3 +82,36 @@ def test_bf16_gradient_agrees_with_fp32(env_id, device):
 def test_fp16_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="loss scaling"):
         LearnerConfig(precision="fp16").check()
+
+
+def test_extreme_inputs_are_clipped_and_a_non_finite_update_is_skipped():
+    """Values from the wire enter the loss clipped (3e38 rewards, truncation values and logits leave the weights
+    finite); an update whose loss is still not finite leaves the weights, the optimizer and the version as they were."""
+    spec = _spec("CartPole-v1")
+    learner = _learner(spec)
+    batch = _batch(spec)
+    batch["truncated"][:] = 0
+    batch["terminated"][:] = 0
+    batch["truncation_value"][:] = 0
+    batch["truncated"][0, 1] = 1
+    batch["truncation_value"][0, 1] = 3e38
+    batch["reward"][1, 2] = -3e38
+    batch["behaviour_logits"][2, 3, 0] = 3e38
+    stats = learner.step(batch)
+    assert not stats["skipped"] and stats["inputs_clipped"] == 3 and learner.inputs_clipped == 3
+    assert learner.parameters_finite() and learner.updates == 1
+
+    # A NaN cannot arrive over the wire (the decoder rejects it), which makes it the simplest way to get a loss
+    # that is not finite here.
+    learner = _learner(spec)
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    batch = _batch(spec)
+    batch["obs"][0, 0, 0] = float("nan")
+    stats = learner.step(batch)
+    assert stats["skipped"] and learner.updates_skipped == 1 and learner.updates == 0
+    assert learner.parameters_finite()
+    for k, v in learner.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not learner.optimizer.state, "the optimizer took a step on a skipped update"
+    stats = learner.step(_batch(spec))  # and the next, finite batch trains
+    assert not stats["skipped"] and learner.updates == 1 and learner.parameters_finite()

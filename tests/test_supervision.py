@@ -126,12 +126,17 @@ def test_learner_restart_with_surviving_external_actors(tmp_path):
         learner.kill()  # SIGKILL: no goodbye to the actors
         learner.wait()
         before = last(logdir)["learner_steps"]
+        rows_before_inc = last(logdir)["incarnation"]
         learner = cli(*args, "--resume", str(logdir), log=tmp_path / "learner2.log")
         wait_for(lambda: last(logdir).get("trajectories_received", 0) > 0 and
                  last(logdir).get("learner_steps", 0) > before + 5, 90, "training after the restart", learner,
                  tmp_path / "learner2.log")
         assert descendants(actors.pid) == actor_pids, "the external actors were restarted"
         assert actors.poll() is None
+        # What the actors had queued was acted with the first run's weights: dropped as another incarnation's,
+        # never rejected (their versions are above the resumed learner's: they used to count as future_version).
+        after = [r for r in read_metrics(logdir) if r["wall_s"] > 0 and r.get("incarnation") != rows_before_inc]
+        assert after and all(r["messages_rejected"] == 0 for r in after), [r["messages_rejected"] for r in after]
     finally:
         stop(learner)
         stop(actors)
