@@ -131,9 +131,8 @@ def encode_trajectories(spec: TrajectorySpec, *, actor_id: str, seq: int, policy
 
 
 FINITE_CHUNK = 1 << 16  # elements per finiteness check (bounds its temporary)
-_HEADER_UINTS = {b"seq": "seq", b"policy_version": "policy_version", b"incarnation": "incarnation", b"n": "n",
-                 b"sent_at_ns": "sent_at_ns"}
-_REQUIRED = ("actor", "seq", "policy_version", "incarnation", "n", "episodes", "fields")
+_REQUIRED = (b"v", b"type", b"actor", b"seq", b"policy_version", b"incarnation", b"n", b"episodes", b"fields")
+_REQUIRED_SET = frozenset(_REQUIRED)
 
 
 class TrajectoryDecoder:
@@ -152,11 +151,18 @@ class TrajectoryDecoder:
         self._plan = [(f.name, f.nbytes, f.check, spec.num_actions if f.check == CHECK_ACTION else None)
                       for f in self._fields]
         self._nbytes = {f.name: f.nbytes for f in self._fields}
+        # The top-level keys and their readers (each checks type and range, raising Rejected).
+        self._readers = {b"v": self._read_v, b"type": self._read_type, b"actor": self._read_actor,
+                         b"seq": self._read_uint63, b"policy_version": self._read_uint63,
+                         b"incarnation": self._read_incarnation, b"n": self._read_uint63,
+                         b"episodes": self._read_episodes, b"fields": self._read_fields,
+                         b"sent_at_ns": self._read_sent_at}
         # The bytes of each field's key and its entry up to the payload, as msgpack writes the canonical order
         # (dtype, shape, codec, data): most messages take this fast path; any other order takes the general one.
-        self._prefixes = [(f.name, [(codec, msgpack.packb(f.name) + b"\x84" + b"".join(
-            msgpack.packb(x) for x in ("dtype", f.wire_dtype, "shape", list(f.shape), "codec", codec, "data")))
-            for codec in CODECS]) for f in self._fields]
+        self._prefixes = [(f.name, tuple(
+            msgpack.packb(f.name) + b"\x84" + b"".join(msgpack.packb(x) for x in (
+                "dtype", f.wire_dtype, "shape", list(f.shape), "codec", codec, "data"))
+            for codec in (CODEC_LZ4, CODEC_NONE))) for f in self._fields]
 
     def parse(self, buf) -> TrajectoryMessage:
         """Check everything but the payloads' contents. Raises :class:`Rejected`."""
@@ -169,17 +175,16 @@ class TrajectoryDecoder:
             raise Rejected("malformed", str(e)) from None
         if not r.at_end:
             raise Rejected("malformed", "bytes after the end of the message map")
-        if "v" not in head:
-            raise Rejected("bad_version", f"no protocol version; this learner speaks {PROTOCOL_VERSION}")
-        if "type" not in head:
-            raise Rejected("bad_type", "no message type")
-        missing = [k for k in _REQUIRED if k not in head]
-        if missing:
-            raise Rejected("bad_header", f"missing keys {missing}")
-        n = head["n"]
+        if not _REQUIRED_SET <= head.keys():
+            if b"v" not in head:
+                raise Rejected("bad_version", f"no protocol version; this learner speaks {PROTOCOL_VERSION}")
+            if b"type" not in head:
+                raise Rejected("bad_type", "no message type")
+            raise Rejected("bad_header", f"missing keys {[k.decode() for k in _REQUIRED if k not in head]}")
+        n = head[b"n"]
         if not 1 <= n <= self.limits.max_trajectories_per_message:
             raise Rejected("bad_header", f"n={n} not in [1, {self.limits.max_trajectories_per_message}]")
-        fields = head["fields"]
+        fields = head[b"fields"]
         for name, (codec, data) in fields.items():
             nbytes = n * self._nbytes[name]
             if codec == CODEC_NONE:
@@ -188,10 +193,11 @@ class TrajectoryDecoder:
             elif len(data) < 5 or int.from_bytes(data[:4], "little") != nbytes:
                 claimed = int.from_bytes(data[:4], "little") if len(data) >= 4 else None
                 raise Rejected("bad_size", f"field {name!r}: LZ4 header claims {claimed} bytes, spec says {nbytes}")
-        return TrajectoryMessage(head["actor"], head["seq"], head["policy_version"], head["incarnation"], n,
-                                 head["episodes"], fields, head.get("sent_at_ns"))
+        return TrajectoryMessage(head[b"actor"], head[b"seq"], head[b"policy_version"], head[b"incarnation"], n,
+                                 head[b"episodes"], fields, head.get(b"sent_at_ns"))
 
     def _read_top(self, r: mpack.Reader) -> dict:
+        """The top-level map, as {key bytes: checked value}; every key known, none twice."""
         try:
             count = r.map_header()
         except mpack.WrongKind as e:
@@ -199,54 +205,66 @@ class TrajectoryDecoder:
         if count > _MAX_TOP_KEYS:
             raise Rejected("bad_header", f"a map of {count} keys; the layout has at most {_MAX_TOP_KEYS}")
         head: dict = {}
+        readers = self._readers
         for _ in range(count):
             try:
-                raw = r.raw_str(_MAX_KEY_BYTES)
+                key = r.raw_str(_MAX_KEY_BYTES)
             except mpack.WrongKind as e:
                 raise Rejected("malformed", f"a map key: {e}") from None
-            key = raw.decode("utf-8", "replace")
+            read = readers.get(key)
+            if read is None:
+                raise Rejected("bad_header", f"unknown key {short_repr(key.decode('utf-8', 'replace'))} (protocol "
+                                             f"{PROTOCOL_VERSION} is closed)")
             if key in head:
-                raise Rejected("bad_header", f"key {short_repr(key)} twice")
+                raise Rejected("bad_header", f"key {short_repr(key.decode())} twice")
             try:
-                head[key] = self._read_value(r, raw)
+                head[key] = read(r, key)
             except mpack.WrongKind as e:
-                reason = {b"v": "bad_version", b"type": "bad_type", b"fields": "bad_field"}.get(raw, "bad_header")
-                raise Rejected(reason, f"{short_repr(key)}: {e}") from None
+                reason = {b"v": "bad_version", b"type": "bad_type", b"fields": "bad_field"}.get(key, "bad_header")
+                raise Rejected(reason, f"{key.decode()!r}: {e}") from None
         return head
 
-    def _read_value(self, r: mpack.Reader, key: bytes):
-        if key in _HEADER_UINTS:
-            if key == b"sent_at_ns" and r.is_nil():
-                raise Rejected("bad_header", "sent_at_ns is nil: leave the key out instead")
-            value = r.int()
-            if not 0 <= value <= _MAX_UINT63:
-                raise Rejected("bad_header", f"{key.decode()}={value} is not in [0, 2^63)")
-            if key == b"incarnation" and value == 0:
-                raise Rejected("bad_header", "incarnation 0: copy it from the weights message")
-            return value
-        if key == b"v":
-            v = r.int()
-            if v != PROTOCOL_VERSION:
-                raise Rejected("bad_version", f"protocol version {v}, this learner speaks {PROTOCOL_VERSION}")
-            return v
-        if key == b"type":
-            t = r.raw_str(_MAX_KEY_BYTES)
-            if t != b"trajectories":
-                raise Rejected("bad_type", f"message type {short_repr(t)}")
-            return t
-        if key == b"actor":
-            actor = r.str(self.limits.max_actor_id_bytes)
-            if not actor:
-                raise Rejected("bad_header", "empty actor id")
-            return actor
-        if key == b"episodes":
-            return self._read_episodes(r)
-        if key == b"fields":
-            return self._read_fields(r)
-        raise Rejected("bad_header", f"unknown key {short_repr(key.decode('utf-8', 'replace'))} (protocol "
-                                     f"{PROTOCOL_VERSION} is closed)")
+    @staticmethod
+    def _read_uint63(r: mpack.Reader, key: bytes) -> int:
+        value = r.int()
+        if not 0 <= value <= _MAX_UINT63:
+            raise Rejected("bad_header", f"{key.decode()}={value} is not in [0, 2^63)")
+        return value
 
-    def _read_episodes(self, r: mpack.Reader) -> list:
+    @staticmethod
+    def _read_incarnation(r: mpack.Reader, key: bytes) -> int:
+        value = r.int()
+        if not 1 <= value <= _MAX_UINT63:
+            raise Rejected("bad_header", f"incarnation {value} is not in [1, 2^63): copy the weights message's")
+        return value
+
+    @staticmethod
+    def _read_sent_at(r: mpack.Reader, key: bytes) -> int:
+        if r.is_nil():
+            raise Rejected("bad_header", "sent_at_ns is nil: leave the key out instead")
+        return TrajectoryDecoder._read_uint63(r, key)
+
+    @staticmethod
+    def _read_v(r: mpack.Reader, key: bytes) -> int:
+        v = r.int()
+        if v != PROTOCOL_VERSION:
+            raise Rejected("bad_version", f"protocol version {v}, this learner speaks {PROTOCOL_VERSION}")
+        return v
+
+    @staticmethod
+    def _read_type(r: mpack.Reader, key: bytes) -> bytes:
+        t = r.raw_str(_MAX_KEY_BYTES)
+        if t != b"trajectories":
+            raise Rejected("bad_type", f"message type {short_repr(t)}")
+        return t
+
+    def _read_actor(self, r: mpack.Reader, key: bytes) -> str:
+        actor = r.str(self.limits.max_actor_id_bytes)
+        if not actor:
+            raise Rejected("bad_header", "empty actor id")
+        return actor
+
+    def _read_episodes(self, r: mpack.Reader, key: bytes = b"episodes") -> list:
         lim = self.limits
         count = r.array_header()
         if count > lim.max_episodes_per_message:
@@ -264,17 +282,19 @@ class TrajectoryDecoder:
             episodes.append([ret, length])
         return episodes
 
-    def _read_fields(self, r: mpack.Reader) -> dict:
+    def _read_fields(self, r: mpack.Reader, key: bytes = b"fields") -> dict:
         count = r.map_header()
         if count != len(self._expected):
             raise Rejected("bad_field", f"{count} fields, the spec has {len(self._expected)}: "
                                         f"{sorted(f.name for f in self._fields)}")
         out = {}
-        for name, by_codec in self._prefixes:  # the fast path: fields in spec order, entries in canonical order
-            codec = next((codec for codec, prefix in by_codec if r.skip_prefix(prefix)), None)
-            if codec is None:
+        for name, (lz4_prefix, none_prefix) in self._prefixes:  # fast path: spec order, canonical entries
+            if r.skip_prefix(lz4_prefix):
+                out[name] = (CODEC_LZ4, r.bin())
+            elif r.skip_prefix(none_prefix):
+                out[name] = (CODEC_NONE, r.bin())
+            else:
                 break
-            out[name] = (codec, r.bin())
         for _ in range(count - len(out)):
             raw = r.raw_str(_MAX_KEY_BYTES)
             if raw not in self._expected or self._expected[raw][0] in out:
@@ -337,14 +357,19 @@ class TrajectoryDecoder:
             elif check == CHECK_FLAG:
                 if out.tobytes().translate(None, b"\x00\x01"):
                     raise Rejected("bad_flag", f"field {name!r} holds values other than 0 and 1")
+        # Rules between fields (flags are 0 or 1 by now; the bytes as integers make the common case cheap).
         truncated = dest["truncated"]
-        if (dest["terminated"] & truncated).any():
+        cut = int.from_bytes(truncated.tobytes(), "little")
+        if cut & int.from_bytes(dest["terminated"].tobytes(), "little"):
             raise Rejected("inconsistent", "terminated and truncated both 1 at a step (a terminal state is not cut)")
-        if (dest["truncation_value"].reshape(truncated.shape)[truncated == 0] != 0).any():
+        values = dest["truncation_value"]
+        nonzero = _COUNT_NONZERO(values)
+        if nonzero and (not cut or nonzero != _COUNT_NONZERO(values.reshape(truncated.shape)[truncated.view(bool)])):
             raise Rejected("inconsistent", "truncation_value is non-zero at a step that was not truncated")
 
 
 _MAX_U32 = np.maximum.reduce
+_COUNT_NONZERO = np.count_nonzero
 _ISFINITE = np.isfinite
 
 

@@ -319,14 +319,16 @@ def test_thousands_of_connections_before_authentication_do_not_end_the_run(tmp_p
         assert row["connections_trajectories"] <= 1024 // 2 and row["checkpoint_failures"] == 0, row
         assert rss.grown_mib < 200, f"the attack raised the RSS by {rss.grown_mib:.0f} MiB"
         assert newest
+        for s in held:
+            s.close()
+        learner.proc.send_signal(signal.SIGTERM)
+        assert learner.proc.wait(30) == 0, tail(learner.log)
+        state, _ = checkpoint.load_latest(learner.logdir, validate=checkpoint.validate_learner_state)
+        assert state["learner"]["updates"] > 0
     finally:
         for s in held:
             s.close()
-    learner.proc.send_signal(signal.SIGTERM)
-    assert learner.proc.wait(30) == 0, tail(learner.log)
-    state, _ = checkpoint.load_latest(learner.logdir, validate=checkpoint.validate_learner_state)
-    assert state["learner"]["updates"] > 0
-    learner.close()
+        learner.close()
 
 
 # -------------------------------------------- 5 and 8. resume never trusts a checkpoint; 7. the --listen bug
