@@ -25,7 +25,7 @@ import zmq
 
 from . import checkpoint, wire
 from .config import LearnerConfig
-from .guard import ConnectionGuard, guard_source
+from .guard import ConnectionGuard, guard_source, release_memory
 from .ingest import Histogram, Ingest
 from .learn import Learner
 from .metrics import MetricsWriter, Progress, Reporter
@@ -367,10 +367,18 @@ class LearnerServer:
             self._loop.remove_reader(fd)
 
     async def _guard_loop(self) -> None:
-        """Connections over the limits are closed (guard.py): peers cannot make the learner hold unbounded memory."""
+        """Connections over the limits are closed (guard.py): peers cannot make the learner hold unbounded memory.
+        After a cut, the memory it freed goes back to the system (at most once a second)."""
+        cuts, trimmed_at = 0, 0.0
         while True:
             self.pull_guard.check()
             self.publisher.guard.check()
+            now = time.monotonic()
+            total = sum(self.pull_guard.cut.values()) + sum(self.publisher.guard.cut.values())
+            if total != cuts and now - trimmed_at >= 1.0:
+                await asyncio.sleep(0.2)  # libzmq closes the connection and frees its pipe meanwhile
+                release_memory()
+                cuts, trimmed_at = total, time.monotonic()
             await asyncio.sleep(self.cfg.connection_check_interval_s)
 
     # -------------------------------------------------------------------------------------------- supervision

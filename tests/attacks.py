@@ -168,29 +168,41 @@ def message(view: LearnerView, *, actor: str, seq: int, seed: int = 0, episodes=
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def poisoned(view: LearnerView, *, actor: str, seq: int, value: float = 3e38) -> bytes:
-    """A valid trajectory but for one extreme, finite value in each float field that enters the loss."""
-    def edit(a):
+def poisoned(view: LearnerView, *, actor: str, seq: int, value: float = 3e38, fields=("truncation_value",)) -> bytes:
+    """A valid trajectory whose every step a time limit cut, with extreme, finite values in ``fields`` (of
+    truncation_value, reward, behaviour_logits). Truncation values of 3e38 turned every weight into NaN before inputs
+    were clipped (with a single one, the gradient's norm often overflowed to infinity instead, and clipping zeroed
+    the update)."""
+    def edit(a):  # every step cut by a time limit, each with the extreme value
         a["terminated"][:] = 0
-        a["truncated"][:] = 0
+        a["truncated"][:] = 1
         a["truncation_value"][:] = 0
-        a["truncated"][0, 1] = 1
-        a["truncation_value"][0, 1] = value
-        a["reward"][0, 0] = value
-        a["behaviour_logits"][0, 0, 0] = value
+        if "truncation_value" in fields:
+            a["truncation_value"][:] = value
+        if "reward" in fields:
+            a["reward"][0, 0] = value
+        if "behaviour_logits" in fields:
+            a["behaviour_logits"][0, 0, 0] = value
     return message(view, actor=actor, seq=seq, edit=edit)
 
 
 # ------------------------------------------------------------------------------------------------ subscribers
-def subscription_flood(ctx: zmq.Context, weights: str, topics: int) -> zmq.Socket:
-    """One SUB socket subscribing to ``topics`` distinct topics (it sends them all, and again on every reconnect)."""
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.RCVHWM, 1)
-    sub.connect(weights)
-    for i in range(topics):
-        sub.setsockopt(zmq.SUBSCRIBE, b"topic-%012d" % i)
-    return sub
+def subscription_flood(host: str, port: int, topics: int, batch: int = 10_000) -> int:
+    """Subscribe to ``topics`` distinct topics on one connection, as fast as TCP takes them (a libzmq SUB socket
+    would drop all but its send high-water mark's worth). Returns how many went out before the learner closed the
+    connection."""
+    s = zmtp_connect(host, port, b"SUB")
+    sent = 0
+    try:
+        while sent < topics:
+            n = min(batch, topics - sent)
+            s.sendall(b"".join(zmtp_frame(b"\x01topic-%012d" % i) for i in range(sent, sent + n)))
+            sent += n
+    except OSError:
+        pass  # closed by the learner
+    finally:
+        s.close()
+    return sent
 
 
 def resubscribe_flood(ctx: zmq.Context, weights: str, per_s: float, seconds: float) -> int:

@@ -113,6 +113,29 @@ def push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return s
 
 
+# ------------------------------------------- 2. every socket bounded (memory first: freed memory is retained)
+def test_subscriptions_do_not_grow_memory(plain):
+    """Every distinct topic used to be stored (400K held 1.3 GiB); now only the one the learner publishes is, and a
+    connection that sends more than 16 subscription messages is closed."""
+    before = plain.last()
+    with PeakRss(plain.proc.pid) as rss:
+        sent = subscription_flood(plain.host, plain.port + 1, topics=400_000)
+        time.sleep(2.0)  # whatever was sent is read meanwhile
+    assert rss.grown_mib < 48, f"{sent} subscriptions raised the RSS by {rss.grown_mib:.0f} MiB"
+    assert sent < 400_000, "the learner read 400K subscription messages from one connection"
+    row = plain.last()
+    assert row["connections_cut_max_messages"] > before["connections_cut_max_messages"]
+    assert row["subscriptions_ignored"] > before["subscriptions_ignored"]
+
+
+def test_the_weights_socket_refuses_large_frames(plain):
+    """No ZMQ_MAXMSGSIZE on the weights socket buffered a 2 GiB frame in full; now 1 KiB is the most it takes."""
+    with PeakRss(plain.proc.pid) as rss:
+        sent = oversized_frame(plain.host, plain.port + 1, claimed_bytes=2 << 30, total_bytes=300 * MIB)
+    assert sent < 64 * MIB, f"the learner read {sent / MIB:.0f} MiB of one oversized frame"
+    assert rss.grown_mib < 64, f"an oversized frame on the weights socket raised the RSS by {rss.grown_mib:.0f} MiB"
+
+
 # ----------------------------------------------------------------------------------- 1. parse cost is bounded
 def test_a_message_of_millions_of_objects_costs_microseconds(plain, ctx):
     """15 MiB of nested arrays (15.7M objects) where the layout has an integer, a string, a list of episodes or the
@@ -127,7 +150,7 @@ def test_a_message_of_millions_of_objects_costs_microseconds(plain, ctx):
             s.send(tree_message(key, 15 * MIB))
             plain.wait(lambda r, b=before: r["messages_rejected"] > b, f"the {key} tree to be rejected")
             assert time.monotonic() - t0 < 5.0, f"the {key} tree took {time.monotonic() - t0:.1f} s to reject"
-    s.close(0)
+    s.close(linger=5000)  # what is queued is delivered
     assert rss.grown_mib < 100, f"four 15 MiB trees raised the learner's RSS by {rss.grown_mib:.0f} MiB"
     logged = plain.log.read_bytes()[log_before:]
     assert len(logged) < 64 << 10, f"{len(logged)} bytes logged for four rejections"
@@ -137,7 +160,7 @@ def test_a_message_of_millions_of_objects_costs_microseconds(plain, ctx):
     plain.trains_on("the trees")
 
 
-# ---------------------------------------------------------------------- 2. every socket bounded, in bytes too
+# ---------------------------------------------------------------- 2. every socket bounded (continued)
 def test_unfinished_multipart_messages_are_cut(plain):
     """Frames that all say 'more follows' stay in libzmq until the last one: two connections held 2 GiB. The guard
     closes a connection holding more than max_unread_bytes_per_connection (24 MiB here)."""
@@ -159,28 +182,6 @@ def test_unfinished_multipart_messages_are_cut(plain):
     assert max(sent) < 600 * MIB, f"an attacker sent {max(sent) / MIB:.0f} MiB without being cut"
     assert rss.grown_mib < 250, f"unfinished multipart messages raised the RSS by {rss.grown_mib:.0f} MiB"
     plain.trains_on("the multipart attack")
-
-
-def test_the_weights_socket_refuses_large_frames(plain):
-    """No ZMQ_MAXMSGSIZE on the weights socket buffered a 2 GiB frame in full; now 1 KiB is the most it takes."""
-    with PeakRss(plain.proc.pid) as rss:
-        sent = oversized_frame(plain.host, plain.port + 1, claimed_bytes=2 << 30, total_bytes=300 * MIB)
-    assert sent < 64 * MIB, f"the learner read {sent / MIB:.0f} MiB of one oversized frame"
-    assert rss.grown_mib < 64, f"an oversized frame on the weights socket raised the RSS by {rss.grown_mib:.0f} MiB"
-
-
-def test_subscriptions_do_not_grow_memory(plain, ctx):
-    """Every distinct topic used to be stored (400K held 1.3 GiB); now only the one the learner publishes is, and a
-    connection that sends more than 16 subscription messages is closed."""
-    before = plain.last()
-    with PeakRss(plain.proc.pid) as rss:
-        sub = subscription_flood(ctx, plain.weights, topics=200_000)
-        plain.wait(lambda r: r["connections_cut_max_messages"] > before["connections_cut_max_messages"],
-                   "the subscribing connection to be cut")
-        time.sleep(1.0)  # it reconnects and subscribes again: still nothing stored
-        sub.close(0)
-    assert rss.grown_mib < 48, f"200K subscriptions raised the RSS by {rss.grown_mib:.0f} MiB"
-    assert plain.last()["subscriptions_ignored"] > before["subscriptions_ignored"]
 
 
 # --------------------------------------------------------------------------------------- 3. no amplification
@@ -206,18 +207,21 @@ def test_resubscribing_does_not_multiply_what_subscribers_receive(plain, ctx):
 
 # --------------------------------------------------------------------------------- 5. one trajectory, no NaN
 def test_one_extreme_trajectory_cannot_poison_the_model(plain, ctx):
-    """A valid trajectory with truncation_value, reward and a logit of 3e38 turned every weight into NaN, which
-    was published, checkpointed and resumed from. Now values from the wire are clipped before the loss."""
+    """A valid trajectory with a truncation_value of 3e38 turned every weight into NaN, which was published,
+    checkpointed and resumed from. Now values from the wire are clipped before the loss."""
     view = plain.view.refresh()
     before = plain.last()
     s = push(ctx, plain.listen)
-    for i in range(20):  # some may land in batches the ring drops (drop_oldest); one trained on is enough
+    for i in range(20):  # spread over batches: some may land in batches the ring drops (drop_oldest)
         s.send(poisoned(view, actor="poisoner", seq=i))
-    s.close(0)
-    plain.wait(lambda r: r["inputs_clipped"] >= before["inputs_clipped"] + 3
-               and r["learner_steps"] > before["learner_steps"] + 10, "a poisoned trajectory to be trained on")
+        time.sleep(0.05)
+    s.close(linger=5000)  # what is queued is delivered
+    plain.wait(lambda r: r["learner_steps"] > before["learner_steps"] + 20, "training after the poison")
+    time.sleep(1.5)  # a publication after those updates (--publish-interval-s 1)
     for _ in range(3):
         assert view.refresh().weights_finite(), "the learner published non-finite weights"
+    row = plain.last()
+    assert row["inputs_clipped"] > before["inputs_clipped"], "no poisoned trajectory was trained on"
     plain.trains_on("the poisoned trajectories")
     row = plain.last()
     assert row["rejected_nonfinite"] == 0, "the actor's messages are rejected: its weights went NaN"
@@ -247,7 +251,7 @@ def test_a_rejected_message_counts_nothing_and_its_retry_is_accepted(plain, ctx)
     s.send(message(view, actor="absurd", seq=1, episodes=[(1.0, 1 << 62)]))
     row = plain.wait(lambda r: r["latency_implausible"] >= before["latency_implausible"] + 200
                      and r["rejected_bad_header"] >= before["rejected_bad_header"] + 2, "the claims to be judged")
-    s.close(0)
+    s.close(linger=5000)  # what is queued is delivered
     later = [r for r in read_metrics(plain.logdir) if r["wall_s"] >= before["wall_s"]]
     assert all(r["latency_p99_ms"] is None or r["latency_p99_ms"] < 60_000 for r in later), \
         "a peer's sent_at_ns = 0 entered the latency figures"
@@ -268,7 +272,7 @@ def test_stricter_types(plain, ctx, what, reason, raw_edit, edit):
     s = push(ctx, plain.listen)
     s.send(message(plain.view.refresh(), actor=f"strict-{reason}", seq=int(time.time_ns()), raw_edit=raw_edit,
                    edit=edit))
-    s.close(0)
+    s.close(linger=5000)  # what is queued is delivered
     row = plain.wait(lambda r: r["messages_rejected"] > before["messages_rejected"], f"{what} to be rejected")
     assert row[f"rejected_{reason}"] == before[f"rejected_{reason}"] + 1, what
 

@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
-"""Soak test: train for a while under chaos and check that nothing was lost.
+"""Soak test: train for a while under chaos and attack, and check that nothing was lost.
 
 Runs `impala-async train --env CartPole-v1` with local actors for --seconds while
   - every --kill-every-s, a random local actor is killed (SIGKILL) or frozen (SIGSTOP), alternately;
-  - a sender pushes --garbage-per-s hostile messages to the learner (random bytes, truncated and corrupted valid
-    messages, NaN rewards, bad actions, future versions, replays, multipart messages).
+  - a sender pushes --garbage-per-s hostile messages (random bytes, truncated and corrupted valid messages, NaN
+    rewards, bad actions, future versions, replays, multipart messages, contradicting flags, absurd episodes,
+    sent_at_ns 0, extreme but finite values that would poison the model);
+  - an attacker cycles through the heavier attacks of tests/attacks.py, one every --attack-every-s: a 4 MiB message
+    of a million objects, unfinished multipart messages (200 MiB offered), a 2 GiB frame on the weights socket,
+    20K distinct subscriptions, 300 connections that never handshake (held 5 s), and 20 re-subscriptions a second;
+  - an honest subscriber counts the weights copies it receives (amplification).
 It samples the learner's resident memory every second. At the end it stops the learner with SIGTERM and checks:
-exit code 0, training progressed (learner steps grew in every quarter of the run), the newest checkpoint loads with
-torch.load(weights_only=True), and memory stayed flat after warm-up (the median RSS of the last minute is within
---max-rss-growth-mib of the median of the minute after warm-up).
+exit code 0, training progressed (learner steps grew in every quarter of the run), the newest checkpoint passes the
+checks resume applies (layout, finite weights), memory stayed flat after warm-up (the median RSS of the last minute is
+within --max-rss-growth-mib of the median of the minute after warm-up), and the honest subscriber got at most
+--max-copies-per-s weights copies a second.
 
     python tools/soak.py --seconds 600 --json
 """
@@ -35,58 +41,58 @@ import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
-from impala_async import checkpoint, wire  # noqa: E402
+import attacks  # noqa: E402  (tests/attacks.py: the same attacks as tests/test_robustness.py)
+
+from impala_async import checkpoint  # noqa: E402
 from impala_async.metrics import read_metrics  # noqa: E402
-from impala_async.spec import TrajectorySpec  # noqa: E402
 
 
 def garbage_sender(listen: str, weights: str, rate_per_s: float, stop: threading.Event, sent: list) -> None:
     """Push hostile messages at rate_per_s until stop is set."""
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(weights)
+    view = attacks.LearnerView(ctx, weights).refresh(60)
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.SNDHWM, 100)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(listen)
-    if not sub.poll(60_000):
-        return
-    first = wire.decode_weights(sub.recv(), 1 << 30)
-    spec = TrajectorySpec.from_dict(first.run_info["spec"])
     rng = np.random.default_rng(0)
-    A = spec.num_actions
-    current = [first.version]  # the learner's current version: older garbage would only be dropped as stale
-    incarnation = first.incarnation
+    A = view.spec.num_actions
 
-    def arrays():
-        return {f.name: np.zeros((1, *f.shape), f.dtype) for f in spec.fields}
+    def valid(seq, **kw):
+        return attacks.message(view, actor="garbage", seq=seq, **kw)
 
-    def valid(seq, version=None, **edits):
-        a = arrays()
-        for name, value in edits.items():
-            a[name].flat[0] = value
-        return wire.encode_trajectories(spec, actor_id="garbage", seq=seq, incarnation=incarnation,
-                                        policy_version=current[0] if version is None else version, arrays=a)
+    def poke(name, value):
+        return lambda a: a[name].reshape(-1).__setitem__(0, value)
 
     kinds = [
         lambda s: rng.bytes(int(rng.integers(0, 2000))),
         lambda s: valid(s)[: int(rng.integers(1, 200))],
-        lambda s: valid(s, reward=np.nan),
-        lambda s: valid(s, action=A + 3),
-        lambda s: valid(s, terminated=7),
-        lambda s: valid(s, version=10**12),
+        lambda s: valid(s, edit=poke("reward", np.nan)),
+        lambda s: valid(s, edit=poke("action", A + 3)),
+        lambda s: valid(s, edit=poke("terminated", 7)),
+        lambda s: valid(s, raw_edit=lambda m: m.update(policy_version=10**12)),
         lambda s: valid(0),  # replay after the first one
         lambda s: b"\x91" * 50_000 + b"\xc0",
         lambda s: b"\xdd\xff\xff\xff\xff",
-        lambda s: msgpack.packb({"v": 1, "type": "trajectories", "n": 1, "fields": {"obs": {"data": (2**31).to_bytes(
+        lambda s: msgpack.packb({"v": 2, "type": "trajectories", "n": 1, "fields": {"obs": {"data": (2**31).to_bytes(
             4, "little") + b"x" * 30}}}),
+        lambda s: valid(s, edit=lambda a: (a["terminated"].fill(1), a["truncated"].fill(1))),
+        lambda s: valid(s, episodes=[(1.7e308, 1)]),
+        lambda s: valid(s, sent_at_ns=0),
+        lambda s: attacks.poisoned(view, actor="garbage-poison", seq=s),
+        lambda s: attacks.poisoned(view, actor="garbage-poison2", seq=s,
+                                   fields=("truncation_value", "reward", "behaviour_logits")),
+        lambda s: valid(s, raw_edit=lambda m: m["fields"]["obs"].update(shape=[float(x) for x in
+                                                                               m["fields"]["obs"]["shape"]])),
     ]
     seq = 1
     while not stop.is_set():
-        while sub.poll(0):
-            current[0] = wire.decode_weights(sub.recv(), 1 << 30).version
+        try:
+            view.sub.poll(0) and view.refresh(0.001)  # the learner's current version, when a new one is there
+        except AssertionError:
+            pass
         kind = int(rng.integers(len(kinds)))
         try:
             if kind == 0 and rng.random() < 0.1:
@@ -99,7 +105,47 @@ def garbage_sender(listen: str, weights: str, rate_per_s: float, stop: threading
         seq += 1
         stop.wait(1.0 / rate_per_s)
     push.close(0)
-    sub.close(0)
+    view.close()
+    ctx.term()
+
+
+def attacker(listen: str, weights: str, every_s: float, stop: threading.Event, done: list) -> None:
+    """The heavier attacks, one every every_s, in turn."""
+    ctx = zmq.Context()
+    host, port = listen[len("tcp://"):].rsplit(":", 1)
+    port = int(port)
+    wport = int(weights.rsplit(":", 1)[1])
+    pusher = ctx.socket(zmq.PUSH)
+    pusher.setsockopt(zmq.LINGER, 0)
+    pusher.connect(listen)
+
+    def flood():
+        held = attacks.connection_flood(host, port, 300)
+        stop.wait(5.0)
+        for s in held:
+            s.close()
+
+    def subscriptions():
+        attacks.subscription_flood(host, wport, 20_000)
+
+    steps = [
+        ("tree", lambda: pusher.send(attacks.tree_message("actor", 4 << 20), zmq.NOBLOCK)),
+        ("multipart", lambda: attacks.unfinished_multipart(host, port, 200 << 20)),
+        ("oversized_frame", lambda: attacks.oversized_frame(host, wport, 2 << 30, 100 << 20)),
+        ("subscriptions", subscriptions),
+        ("connection_flood", flood),
+        ("resubscribe", lambda: attacks.resubscribe_flood(ctx, weights, 20, 5.0)),
+    ]
+    i = 0
+    while not stop.wait(every_s):
+        name, run = steps[i % len(steps)]
+        try:
+            run()
+            done.append(name)
+        except (OSError, zmq.ZMQError) as e:
+            done.append(f"{name}: {type(e).__name__}")
+        i += 1
+    pusher.close(0)
     ctx.term()
 
 
@@ -109,8 +155,11 @@ def main() -> int:
     p.add_argument("--warmup-s", type=float, default=60)
     p.add_argument("--kill-every-s", type=float, default=20)
     p.add_argument("--garbage-per-s", type=float, default=50)
+    p.add_argument("--attack-every-s", type=float, default=10)
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--max-rss-growth-mib", type=float, default=20)
+    p.add_argument("--max-copies-per-s", type=float, default=3.0,
+                   help="weights copies an honest subscriber may receive per second (publish interval 1 s)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
 
@@ -118,16 +167,22 @@ def main() -> int:
     cmd = [sys.executable, "-m", "impala_async", "train", "--env", "CartPole-v1", "--num-actors", str(a.actors),
            "--envs-per-actor", "8", "--total-env-steps", str(10**13), "--logdir", str(logdir),
            "--checkpoint-interval-s", "30", "--heartbeat-timeout-s", "5", "--max-actor-restarts", "1000",
-           "--report-interval-s", "2"]
+           "--report-interval-s", "2", "--publish-interval-s", "1", "--max-policy-lag", "1000"]
     log = open(logdir / "train.log", "w")
     learner = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
     line = learner.stdout.readline()
     listen, weights = line.split("--learner ")[1].split(" --weights ")
     weights = weights.strip()
     stop = threading.Event()
-    sent = [0]
-    sender = threading.Thread(target=garbage_sender, args=(listen, weights, a.garbage_per_s, stop, sent), daemon=True)
-    sender.start()
+    sent, done = [0], []
+    threads = [threading.Thread(target=garbage_sender, args=(listen, weights, a.garbage_per_s, stop, sent),
+                                daemon=True),
+               threading.Thread(target=attacker, args=(listen, weights, a.attack_every_s, stop, done), daemon=True)]
+    for t in threads:
+        t.start()
+    ctx = zmq.Context()
+    honest = attacks.CopyCounter(ctx, weights)
+    honest.start()
     proc = psutil.Process(learner.pid)
     rss: list[tuple[float, float]] = []
     chaos = {"killed": 0, "stopped": 0}
@@ -139,7 +194,11 @@ def main() -> int:
             time.sleep(1.0)
             if learner.poll() is not None:
                 raise SystemExit(f"soak: the learner exited early with {learner.returncode}; see {logdir}/train.log")
-            rss.append((time.monotonic() - t0, proc.memory_info().rss / 2**20))
+            now = time.monotonic() - t0
+            rss.append((now, proc.memory_info().rss / 2**20))
+            if now >= a.warmup_s and not honest.counting.is_set():
+                honest.counting.set()
+                counting_from = now
             if time.monotonic() >= next_chaos:
                 next_chaos += a.kill_every_s
                 kids = [c for c in proc.children() if c.status() != psutil.STATUS_ZOMBIE]
@@ -149,22 +208,30 @@ def main() -> int:
                     os.kill(victim.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
                     chaos[how] += 1
     finally:
+        honest.counting.clear()
+        counted_s = time.monotonic() - t0 - counting_from if "counting_from" in locals() else None
         stop.set()
-        sender.join(10)
+        for t in threads:
+            t.join(30)
+        honest.done.set()
+        honest.join(5)
         learner.send_signal(signal.SIGTERM)
         try:
             code = learner.wait(60)
         except subprocess.TimeoutExpired:
             learner.kill()
             code = "timeout"
+        ctx.term()
     rows = read_metrics(logdir / "metrics.jsonl")
     quarters = [[r for r in rows if q * a.seconds / 4 <= r["wall_s"] < (q + 1) * a.seconds / 4] for q in range(4)]
     progressed = all(len(q) >= 2 and q[-1]["learner_steps"] > q[0]["learner_steps"] for q in quarters)
-    found = checkpoint.load_latest(logdir)
+    found = checkpoint.load_latest(logdir, validate=checkpoint.validate_learner_state)
     early = [m for t, m in rss if a.warmup_s <= t < a.warmup_s + 60]
     late = [m for t, m in rss if t >= a.seconds - 60]
     growth = statistics.median(late) - statistics.median(early) if early and late else None
+    copies_per_s = honest.copies / counted_s if counted_s else None
     final = rows[-1] if rows else {}
+    lags = [r["loop_lag_p99_ms"] for r in rows if r.get("loop_lag_p99_ms") is not None]
     result = {
         "seconds": a.seconds,
         "exit_code": code,
@@ -172,22 +239,30 @@ def main() -> int:
         "env_steps": final.get("env_steps"),
         "episode_return_mean": final.get("episode_return_mean"),
         "progressed_in_every_quarter": progressed,
-        "checkpoint_loads": found is not None,
+        "checkpoint_valid": found is not None,
         "checkpoint": str(found[1]) if found else None,
         "rss_mib_after_warmup": round(statistics.median(early), 1) if early else None,
         "rss_mib_last_minute": round(statistics.median(late), 1) if late else None,
         "rss_growth_mib": round(growth, 1) if growth is not None else None,
         "rss_max_mib": round(max(m for _, m in rss), 1) if rss else None,
+        "loop_lag_p99_ms_max": max(lags) if lags else None,
+        "honest_copies_per_s": round(copies_per_s, 2) if copies_per_s is not None else None,
         "garbage_sent": sent[0],
+        "attacks": {name: done.count(name) for name in sorted(set(done))},
         "messages_rejected": final.get("messages_rejected"),
         "rejected_by_reason": {k[len("rejected_"):]: v for k, v in final.items() if k.startswith("rejected_") and v},
+        "connections_cut": {k[len("connections_cut_"):]: v for k, v in final.items()
+                            if k.startswith("connections_cut_") and v},
+        "inputs_clipped": final.get("inputs_clipped"),
+        "updates_skipped_nonfinite": final.get("updates_skipped_nonfinite"),
+        "checkpoint_failures": final.get("checkpoint_failures"),
         "actors_killed": chaos["killed"],
         "actors_stopped": chaos["stopped"],
         "actor_restarts": final.get("actor_restarts"),
         "logdir": str(logdir),
     }
     ok = (code == 0 and progressed and found is not None and growth is not None
-          and growth < a.max_rss_growth_mib)
+          and growth < a.max_rss_growth_mib and copies_per_s is not None and copies_per_s <= a.max_copies_per_s)
     result["ok"] = ok
     print(json.dumps(result) if a.json else json.dumps(result, indent=1))
     return 0 if ok else 1
