@@ -13,6 +13,7 @@ validates what it loaded and falls back to the previous checkpoint with a warnin
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -42,6 +43,8 @@ class CheckpointWriter:
         self._known = list_checkpoints(self.directory)  # ours and earlier runs', oldest first; no listing later
         self._next: tuple[int, str] | None = None
         self._prepare()
+        # torch.save imports modules on first use, and an import opens files: do it now, not when none can be opened.
+        torch.save({"warm_up": torch.zeros(1), "nested": {"list": [1.0]}}, io.BytesIO())
 
     def _prepare(self) -> None:
         """Open the next save's temporary file now, while descriptors are available."""

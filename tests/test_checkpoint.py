@@ -1,0 +1,114 @@
+"""Checkpoints when the process has no file descriptor left, and a failed checkpoint as an error to retry.
+
+Real files and a real descriptor table: the test process fills its own until open() fails with EMFILE."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import time
+
+import pytest
+import torch
+
+from impala_async import checkpoint
+from impala_async.config import LearnerConfig
+from impala_async.learn import Learner
+from impala_async.server import LearnerServer
+from impala_async.spec import TrajectorySpec
+
+
+class Exhausted:
+    """Every free file descriptor taken (the soft limit lowered first so that this stays cheap)."""
+
+    def __init__(self, limit: int = 512):
+        self.limit = limit
+
+    def __enter__(self):
+        self.saved = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.limit, self.saved[1]))
+        self.fds = []
+        try:
+            while True:
+                self.fds.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError as e:
+            assert e.errno == errno.EMFILE
+        return self
+
+    def __exit__(self, *exc):
+        for fd in self.fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, self.saved)
+
+
+def _server(tmp_path) -> LearnerServer:
+    spec = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
+    cfg = LearnerConfig(checkpoint_interval_s=600, checkpoint_retry_interval_s=10).check()
+    cfg.resolve_for(spec.trajectory_nbytes)
+    learner = Learner(cfg, spec, torch.device("cpu"))
+    server = LearnerServer(cfg, learner, spec, {}, tmp_path, start_monotonic=time.monotonic())
+    server.checkpoints = checkpoint.CheckpointWriter(tmp_path, keep=3)  # what _startup does
+    return server
+
+
+def test_a_checkpoint_is_written_with_no_descriptor_free_and_a_failure_is_reported_not_raised(tmp_path):
+    server = _server(tmp_path)
+    try:
+        with Exhausted() as ex:
+            with pytest.raises(OSError):
+                open(tmp_path / "anything", "w")  # noqa: SIM115 (the point: nothing can be opened)
+            first = server._try_checkpoint()  # the descriptors it needs were opened in advance
+            assert first is not None and first.exists()
+            assert server.checkpoint_failures == 0
+            # It freed its temporary file's descriptor and took it again for the next one: the reserve holds.
+            server.learner.env_steps_trained += 5
+            assert server._try_checkpoint() is not None
+            # Without that reserve (say a descriptor-hungry library grabbed the free slot) the save fails:
+            # reported and counted, not raised.
+            fd, name = server.checkpoints._next
+            os.close(fd)
+            os.unlink(tmp_path / name)
+            server.checkpoints._next = None
+            ex.fds.append(os.open(os.devnull, os.O_RDONLY))  # the slot just freed
+            server.learner.env_steps_trained += 5
+            second = server._try_checkpoint()
+            assert second is None and server.checkpoint_failures == 1
+        server.learner.env_steps_trained += 5
+        third = server._try_checkpoint()  # descriptors again: the retry succeeds
+        assert third is not None and server.checkpoint_failures == 1
+        state, path = checkpoint.load_latest(tmp_path, validate=checkpoint.validate_learner_state)
+        assert path == third and state["learner"]["env_steps_trained"] == 15
+    finally:
+        server.checkpoints.close()
+    assert not list(tmp_path.glob(".checkpoint-*.tmp")), "a temporary file outlived the writer"
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    server = _server(tmp_path)
+    try:
+        with torch.no_grad():
+            next(server.learner.model.parameters()).fill_(float("nan"))
+        assert server._try_checkpoint() is None and server.checkpoint_failures == 1
+        assert checkpoint.list_checkpoints(tmp_path) == []
+        assert server._encode_weights() is None and server.weights_refused_nonfinite == 1
+    finally:
+        server.checkpoints.close()
+
+
+def test_archive_checks(tmp_path):
+    import zipfile
+
+    good = checkpoint.save(tmp_path, {"x": torch.arange(4)}, 1)
+    checkpoint.check_archive(good, 1 << 20)
+    with pytest.raises(ValueError, match="max_checkpoint_bytes"):
+        checkpoint.check_archive(good, 100)
+    bomb = tmp_path / "checkpoint-000000000002.pt"  # a deflated record: decompresses beyond the file's size
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", b"\0" * (8 << 20))
+    assert bomb.stat().st_size < 1 << 20
+    with pytest.raises(ValueError, match="compressed"):
+        checkpoint.check_archive(bomb, 1 << 20)
+    (tmp_path / "checkpoint-000000000003.pt").write_bytes(b"")
+    state, path = checkpoint.load_latest(tmp_path, max_bytes=1 << 20)
+    assert path == good and state["x"].tolist() == [0, 1, 2, 3]
