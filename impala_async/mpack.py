@@ -103,6 +103,12 @@ class Reader:
 
     def int(self) -> int:
         """An integer (any width, signed or not; never a bool or a float)."""
+        i = self._i
+        if i < self._n:  # the common case inline: a positive fixint
+            c = self._b[i]
+            if c <= 0x7F:
+                self._i = i + 1
+                return c
         c = self._type()
         if c <= 0x7F:
             self._i += 1
@@ -130,8 +136,15 @@ class Reader:
 
     def raw_str(self, max_bytes: int) -> bytes:
         """The UTF-8 bytes of a string of at most ``max_bytes`` bytes (longer ones: WrongKind, unread)."""
-        c = self._type()
         i = self._i
+        if i < self._n:  # the common case inline: a fixstr (up to 31 bytes) that fits
+            c = self._b[i]
+            if 0xA0 <= c <= 0xBF and (c & 0x1F) <= max_bytes:
+                end = i + 1 + (c & 0x1F)
+                if end <= self._n:
+                    self._i = end
+                    return bytes(self._b[i + 1:end])
+        c = self._type()
         if 0xA0 <= c <= 0xBF:
             size, skip = c & 0x1F, 1
         elif 0xD9 <= c <= 0xDB:
@@ -155,6 +168,13 @@ class Reader:
 
     def bin(self):
         """A binary value, as a zero-copy slice of the buffer."""
+        i = self._i
+        if i < self._n and 0xC4 <= self._b[i] <= 0xC6:  # inline: the length, then a slice
+            start = i + 1 + (1 << (self._b[i] - 0xC4))
+            end = start + int.from_bytes(self._b[i + 1:start], "big")
+            if end <= self._n:
+                self._i = end
+                return self._b[start:end]
         c = self._type()
         if not 0xC4 <= c <= 0xC6:
             raise WrongKind("binary", c)
@@ -168,6 +188,39 @@ class Reader:
             self._i = end
             return True
         return False
+
+    def number_int_pairs(self, count: int) -> list:
+        """``count`` two-element arrays ``[number, integer]``, as ``[[x, k], ...]`` (the caller read the outer array's
+        header). Common encodings are read inline; any other goes through :meth:`number` and :meth:`int`."""
+        b, n = self._b, self._n
+        out = []
+        for _ in range(count):
+            i = self._i
+            if i + 2 >= n or b[i] != 0x92:
+                if self.array_header() != 2:
+                    raise WrongKind("an array of 2 elements", 0x92)
+                out.append([self.number(), self.int()])
+                continue
+            c = b[i + 1]
+            if c == 0xCB and i + 10 < n:
+                x, i = _FLOAT64.unpack(b[i + 2:i + 10])[0], i + 10
+            elif c <= 0x7F:
+                x, i = c, i + 2
+            else:
+                self._i = i + 1
+                out.append([self.number(), self.int()])
+                continue
+            c = b[i]
+            if c <= 0x7F:
+                self._i = i + 1
+                out.append([x, c])
+            elif c == 0xCD and i + 3 <= n:
+                self._i = i + 3
+                out.append([x, (b[i + 1] << 8) | b[i + 2]])
+            else:
+                self._i = i
+                out.append([x, self.int()])
+        return out
 
     def is_nil(self) -> bool:
         return self._type() == 0xC0

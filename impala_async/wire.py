@@ -12,7 +12,6 @@ capped before anything is allocated, and decompression writes straight into the 
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -269,17 +268,12 @@ class TrajectoryDecoder:
         count = r.array_header()
         if count > lim.max_episodes_per_message:
             raise Rejected("bad_header", f"{count} episodes > max_episodes_per_message={lim.max_episodes_per_message}")
-        episodes = []
-        for _ in range(count):
-            if r.array_header() != 2:
-                raise Rejected("bad_header", "an episode entry is not [return, length]")
-            ret, length = r.number(), r.int()
-            if not (math.isfinite(ret) and abs(ret) <= lim.max_abs_episode_return
-                    and 1 <= length <= lim.max_episode_length_steps):
+        episodes = r.number_int_pairs(count)  # WrongKind: an entry that is not [return, length]
+        max_return, max_length = lim.max_abs_episode_return, lim.max_episode_length_steps
+        for ret, length in episodes:
+            if not (-max_return <= ret <= max_return and 1 <= length <= max_length):  # NaN fails every comparison
                 raise Rejected("bad_header", f"episode [{short_repr(ret)}, {length}]: the return must be finite and "
-                                             f"within +-{lim.max_abs_episode_return:g}, the length in "
-                                             f"[1, {lim.max_episode_length_steps}]")
-            episodes.append([ret, length])
+                                             f"within +-{max_return:g}, the length in [1, {max_length}]")
         return episodes
 
     def _read_fields(self, r: mpack.Reader, key: bytes = b"fields") -> dict:
@@ -357,14 +351,17 @@ class TrajectoryDecoder:
             elif check == CHECK_FLAG:
                 if out.tobytes().translate(None, b"\x00\x01"):
                     raise Rejected("bad_flag", f"field {name!r} holds values other than 0 and 1")
-        # Rules between fields (flags are 0 or 1 by now; the bytes as integers make the common case cheap).
-        truncated = dest["truncated"]
-        cut = int.from_bytes(truncated.tobytes(), "little")
-        if cut & int.from_bytes(dest["terminated"].tobytes(), "little"):
+        # Rules between fields (flags are 0 or 1 by now). Most messages cut no episode: that case is one byte search
+        # and one count.
+        truncated, values = dest["truncated"], dest["truncation_value"]
+        if b"\x01" not in truncated.tobytes():
+            if _COUNT_NONZERO(values):
+                raise Rejected("inconsistent", "truncation_value is non-zero at a step that was not truncated")
+            return
+        cut = truncated.view(bool)
+        if (dest["terminated"].view(bool) & cut).any():
             raise Rejected("inconsistent", "terminated and truncated both 1 at a step (a terminal state is not cut)")
-        values = dest["truncation_value"]
-        nonzero = _COUNT_NONZERO(values)
-        if nonzero and (not cut or nonzero != _COUNT_NONZERO(values.reshape(truncated.shape)[truncated.view(bool)])):
+        if _COUNT_NONZERO(values) != _COUNT_NONZERO(values.reshape(cut.shape)[cut]):
             raise Rejected("inconsistent", "truncation_value is non-zero at a step that was not truncated")
 
 
