@@ -369,16 +369,18 @@ class LearnerServer:
     async def _guard_loop(self) -> None:
         """Connections over the limits are closed (guard.py): peers cannot make the learner hold unbounded memory.
         After a cut, the memory it freed goes back to the system (at most once a second)."""
-        cuts, trimmed_at = 0, 0.0
+        cuts, trim_at, trimmed_at = 0, None, 0.0
         while True:
             self.pull_guard.check()
             self.publisher.guard.check()
             now = time.monotonic()
             total = sum(self.pull_guard.cut.values()) + sum(self.publisher.guard.cut.values())
-            if total != cuts and now - trimmed_at >= 1.0:
-                await asyncio.sleep(0.2)  # libzmq closes the connection and frees its pipe meanwhile
+            if total != cuts:
+                cuts = total
+                trim_at = max(now + 0.2, trimmed_at + 1.0)  # libzmq closes the connection and frees it meanwhile
+            if trim_at is not None and now >= trim_at:
                 release_memory()
-                cuts, trimmed_at = total, time.monotonic()
+                trim_at, trimmed_at = None, time.monotonic()
             await asyncio.sleep(self.cfg.connection_check_interval_s)
 
     # -------------------------------------------------------------------------------------------- supervision
