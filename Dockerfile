@@ -30,7 +30,7 @@ COPY impala_async ./impala_async
 COPY tools ./tools
 COPY docs ./docs
 RUN pip install $PIP_ARGS ".[$EXTRAS]" \
- && python -c "import impala_async.cli, impala_async.server, impala_async.actor" \
+ && python -c "import impala_async.cli, impala_async.learner.server, impala_async.actors.actor" \
  && impala-async --help > /dev/null
 
 # Not root. Runs, checkpoints and metrics go to /data/runs (mount it); CURVE keys are read from wherever

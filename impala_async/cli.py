@@ -18,7 +18,7 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from .config import LearnerConfig, add_arguments, from_arguments  # noqa: E402
+from .ops.config import LearnerConfig, add_arguments, from_arguments  # noqa: E402
 
 log = logging.getLogger("impala_async")
 
@@ -43,7 +43,7 @@ def _resolve_device(name: str):
 
 
 def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None = None) -> int:
-    from . import auth
+    from .ops import auth
 
     try:  # before the heavy imports: a refusal to start is immediate
         cfg.listen = cfg.listen or default_listen
@@ -58,12 +58,12 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
     import torch
     import uvloop
 
-    from . import wire
-    from .envs import frame_stack_of, make_env
-    from .learn import Learner
-    from .procs import ActorProcesses, actor_argv
-    from .server import LearnerServer
-    from .spec import TrajectorySpec
+    from .actors.envs import frame_stack_of, make_env
+    from .actors.procs import ActorProcesses, actor_argv
+    from .core import wire
+    from .core.spec import TrajectorySpec
+    from .learner.learn import Learner
+    from .learner.server import LearnerServer
 
     if not cfg.logdir:
         cfg.logdir = f"runs/{cfg.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
@@ -117,7 +117,7 @@ def _config(args, **forced) -> tuple[LearnerConfig, dict | None]:
     explicitly on this command line win (so a resumed run can, say, raise --total-env-steps)."""
     if not args.resume:
         return from_arguments(LearnerConfig, args, **forced), None
-    from . import checkpoint
+    from .learner import checkpoint
 
     found = checkpoint.load_latest(args.resume, max_bytes=args.max_checkpoint_bytes,
                                    validate=checkpoint.validate_learner_state, quarantine=True)
@@ -147,13 +147,13 @@ def cmd_learner(args) -> int:
 def cmd_actor(args) -> int:
     import signal
 
-    from . import actor
-    from .procs import ActorProcesses, actor_argv
+    from .actors import actor
+    from .actors.procs import ActorProcesses, actor_argv
 
     try:  # refusals come before any process starts, as one line
         weights = args.weights or actor.weights_address(args.learner)
         if args.curve_keys:
-            from . import auth
+            from .ops import auth
             auth.load_actor_keys(args.curve_keys)
     except (ValueError, OSError) as e:
         raise SystemExit(f"impala-async: {e}") from None
@@ -182,7 +182,7 @@ def cmd_actor(args) -> int:
 
 
 def cmd_keygen(args) -> int:
-    from . import auth
+    from .ops import auth
 
     try:
         public, secret = auth.keygen(args.directory, args.name)

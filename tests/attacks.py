@@ -20,7 +20,7 @@ import psutil
 import zmq
 from helpers import random_arrays
 
-from impala_async.spec import TrajectorySpec
+from impala_async.core.spec import TrajectorySpec
 
 
 # ------------------------------------------------------------------------------------------------- ZMTP by hand

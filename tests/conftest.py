@@ -1,6 +1,6 @@
 import pytest
 
-from impala_async.spec import TrajectorySpec
+from impala_async.core.spec import TrajectorySpec
 
 
 @pytest.fixture

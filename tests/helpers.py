@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from impala_async import wire
-from impala_async.spec import CHECK_ACTION, CHECK_FINITE, CHECK_FLAG, TrajectorySpec
+from impala_async.core import wire
+from impala_async.core.spec import CHECK_ACTION, CHECK_FINITE, CHECK_FLAG, TrajectorySpec
 
 # The decoder fuzzing of tests/test_fuzz.py and tools/fuzz_decoder.py: a vector-observation spec (float obs, checked
 # for finiteness) and a small image spec (uint8 obs, any byte valid), under small limits.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from impala_async import metrics
+from impala_async.learner import metrics
 
 METRICS_FIELDS = (
     "wall_s", "env_steps", "learner_steps", "sps", "episode_return_mean", "episodes", "policy_version",
@@ -24,7 +24,8 @@ def documented_metrics() -> set[str]:
     """Every key docs/metrics.md lists, with `<reason>` expanded to the reasons the code knows."""
     import re
 
-    from impala_async import guard, wire
+    from impala_async.core import wire
+    from impala_async.learner import guard
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
     keys = set()

@@ -11,18 +11,18 @@ import pytest
 import torch
 from procutil import cli, read_metrics, stop, tail
 
-from impala_async import checkpoint
+from impala_async.learner import checkpoint
 
 pytest.importorskip("ale_py")
 pytest.importorskip("cv2")
 
-from impala_async.envs import is_atari, make_env  # noqa: E402
-from impala_async.spec import TrajectorySpec  # noqa: E402
+from impala_async.actors.envs import is_atari, make_env  # noqa: E402
+from impala_async.core.spec import TrajectorySpec  # noqa: E402
 
 
 def test_atari_ids_are_recognised():
     assert is_atari("ALE/Pong-v5") and is_atari("PongNoFrameskip-v4")
-    assert not is_atari("CartPole-v1") and not is_atari("impala_async.envs:PongLike-v0")
+    assert not is_atari("CartPole-v1") and not is_atari("impala_async.actors.envs:PongLike-v0")
 
 
 def test_pong_is_preprocessed_to_stacked_84x84_frames():

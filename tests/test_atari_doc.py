@@ -2,7 +2,7 @@
 
 ``DocAtari`` drives a bare ``ale_py.ALEInterface`` (no gymnasium, none of its Atari wrappers) and does the frame
 repeat, reward sum, greyscale, max-pool, resize and stacking in its own numpy/OpenCV code, as the doc words them. The
-tests compare it with ``impala_async.envs.make_env`` step by step: every observation byte, every reward, and
+tests compare it with ``impala_async.actors.envs.make_env`` step by step: every observation byte, every reward, and
 terminated/truncated, over a few hundred steps of a fixed action sequence with resets, in Pong (v5 with sticky
 actions, v4 without), in Pong with a tiny frame cap (so that truncation falls on every one of the 4 frames of a step),
 and in Breakout (lost lives that do not end the episode, and game overs).
@@ -27,7 +27,7 @@ cv2 = pytest.importorskip("cv2")
 
 from ale_py import roms  # noqa: E402
 
-from impala_async.envs import make_env  # noqa: E402
+from impala_async.actors.envs import make_env  # noqa: E402
 
 SEED = 7
 WRONG = ("resize_before_max", "bgr_grey", "no_max", "final_screen_at_end", "noops_in_agent_steps")

@@ -1,4 +1,4 @@
-"""CurveZMQ + ZAP authentication (impala_async.auth) with real sockets on tcp://127.0.0.1.
+"""CurveZMQ + ZAP authentication (impala_async.ops.auth) with real sockets on tcp://127.0.0.1.
 
 Rejections are checked twice: the server's socket monitor must report the failed handshake (a condition waited on with
 a timeout), and then polling the server for ``NOTHING_ARRIVES_S`` must get nothing.
@@ -20,7 +20,7 @@ from procutil import free_port_pair
 from zmq.auth import load_certificate
 from zmq.utils.monitor import parse_monitor_message
 
-from impala_async import auth
+from impala_async.ops import auth
 
 NOTHING_ARRIVES_S = 1.5  # how long a rejected client is given to deliver something (it must not)
 EVENT_TIMEOUT_S = 5.0  # upper bound on waiting for a handshake event or an admitted message

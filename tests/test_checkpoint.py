@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from impala_async import checkpoint
-from impala_async.config import LearnerConfig
-from impala_async.learn import Learner
-from impala_async.server import LearnerServer
-from impala_async.spec import TrajectorySpec
+from impala_async.core.spec import TrajectorySpec
+from impala_async.learner import checkpoint
+from impala_async.learner.learn import Learner
+from impala_async.learner.server import LearnerServer
+from impala_async.ops.config import LearnerConfig
 
 
 class Exhausted:

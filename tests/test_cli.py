@@ -22,7 +22,7 @@ from procutil import (
     wait_for,
 )
 
-from impala_async import checkpoint
+from impala_async.learner import checkpoint
 
 SMALL = ["--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "--unroll-length", "10",
          "--batch-size", "4", "--report-interval-s", "0.5"]
@@ -149,7 +149,7 @@ def test_image_path_learns(tmp_path):
     """The conv network, uint8 frames, the ring and V-trace together learn what they see: a visual bandit (random
     play returns 0, reading the picture returns 1) reaches 0.9 with default settings."""
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", "--env", "impala_async.envs:ImageBandit-v0", "--num-actors", "1", "--total-env-steps",
+    proc = cli("train", "--env", "impala_async.actors.envs:ImageBandit-v0", "--num-actors", "1", "--total-env-steps",
                "200000", "--report-interval-s", "0.5", "--logdir", str(logdir), log=log)
     try:
         wait_for(lambda: any((r["episode_return_mean"] or 0) >= 0.9 for r in read_metrics(logdir)), 150,

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from impala_async.config import LearnerConfig, usable_cpus
+from impala_async.ops.config import LearnerConfig, usable_cpus
 
 AFFINITY = len(os.sched_getaffinity(0))
 

@@ -18,8 +18,9 @@ import zmq
 from helpers import random_arrays
 from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
 
-from impala_async import auth, wire
-from impala_async.spec import TrajectorySpec
+from impala_async.core import wire
+from impala_async.core.spec import TrajectorySpec
+from impala_async.ops import auth
 
 ACTOR_NAME = "gpu-box-3"
 LEARNER_FLAGS = ["--env", "CartPole-v1", "--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.5"]
@@ -42,7 +43,7 @@ def keygen(directory: Path, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def key_dirs(tmp_path_factory) -> tuple[Path, Path]:
-    """(learner dir, actor dir), laid out as impala_async/auth.py describes, from keys the CLI made."""
+    """(learner dir, actor dir), laid out as impala_async/ops/auth.py describes, from keys the CLI made."""
     root = tmp_path_factory.mktemp("keys")
     ldir, adir = root / "learner", root / "actor"
     keygen(ldir, "learner")

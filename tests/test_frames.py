@@ -1,4 +1,4 @@
-"""Frame-stacked observations sent as single frames (impala_async.frames): rebuilt exactly, from real environments
+"""Frame-stacked observations sent as single frames (impala_async.core.frames): rebuilt exactly, from real environments
 and from an independent model of gymnasium's FrameStackObservation, and refused where the stacking differs."""
 
 from collections import deque
@@ -10,11 +10,11 @@ from helpers import random_arrays
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from impala_async import frames
-from impala_async.config import LearnerConfig
-from impala_async.envs import frame_stack_of, make_env
-from impala_async.learn import Learner
-from impala_async.spec import TrajectorySpec
+from impala_async.actors.envs import frame_stack_of, make_env
+from impala_async.core import frames
+from impala_async.core.spec import TrajectorySpec
+from impala_async.learner.learn import Learner
+from impala_async.ops.config import LearnerConfig
 
 
 def collect(env_ids, T, seed=0, **kwargs):
@@ -46,8 +46,8 @@ def roundtrip(obs, done):
 
 
 @pytest.mark.parametrize("env_id,kwargs", [
-    ("impala_async.envs:PongLike-v0", {"points_to_win": 1}),
-    ("impala_async.envs:ImageBandit-v0", {}),
+    ("impala_async.actors.envs:PongLike-v0", {"points_to_win": 1}),
+    ("impala_async.actors.envs:ImageBandit-v0", {}),
 ])
 def test_real_environments_roundtrip_exactly(env_id, kwargs):
     obs, done = collect([env_id] * 3, T=120, **kwargs)
@@ -94,7 +94,7 @@ def test_any_episode_pattern_roundtrips(T, S, data):
 
 @pytest.mark.parametrize("wrong", ["zero_padding", "newest_first"])
 def test_other_stackings_are_refused(wrong):
-    obs, done = collect(["impala_async.envs:PongLike-v0"] * 2, T=40, points_to_win=1)
+    obs, done = collect(["impala_async.actors.envs:PongLike-v0"] * 2, T=40, points_to_win=1)
     if wrong == "zero_padding":  # FrameStackObservation(padding_type="zero") at episode starts
         obs = obs.copy()
         obs[:, 0, :-1] = 0
@@ -106,7 +106,7 @@ def test_other_stackings_are_refused(wrong):
 
 def test_learner_trains_the_same_on_frames_as_on_stacks():
     """One update from a batch sent as frames equals one from the same batch sent as whole stacks."""
-    obs, done = collect(["impala_async.envs:PongLike-v0"] * 4, T=30, points_to_win=1)
+    obs, done = collect(["impala_async.actors.envs:PongLike-v0"] * 4, T=30, points_to_win=1)
     stacks = TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=30)
     single = TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=30, frame_stack=4)
     batch = {k: torch.from_numpy(v) for k, v in random_arrays(stacks, 4, seed=5).items()}

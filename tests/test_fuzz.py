@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the trajectory decoder (impala_async.wire.TrajectoryDecoder), in-process.
+"""Property-based fuzzing of the trajectory decoder (impala_async.core.wire.TrajectoryDecoder), in-process.
 
 Whatever the bytes, ``parse`` and ``decode_into`` either succeed or raise ``wire.Rejected``: any other exception would
 escape ``Ingest.handle`` and stop the learner's receive loop. When they succeed, the decoded arrays hold only values the
@@ -19,8 +19,8 @@ from helpers import FUZZ_LIMITS, FUZZ_SPECS, assert_values_allowed, random_array
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from impala_async import wire
-from impala_async.spec import CHECK_ACTION, CHECK_FINITE, CHECK_FLAG, TrajectorySpec
+from impala_async.core import wire
+from impala_async.core.spec import CHECK_ACTION, CHECK_FINITE, CHECK_FLAG, TrajectorySpec
 
 SPECS, LIMITS = FUZZ_SPECS, FUZZ_LIMITS
 # The decoder finds NaN and infinity as a NaN dot product; numpy warns about it, which is expected here.

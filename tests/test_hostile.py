@@ -21,8 +21,8 @@ from helpers import random_arrays
 from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
 from zmq.utils.monitor import recv_monitor_message
 
-from impala_async import wire
-from impala_async.spec import TrajectorySpec
+from impala_async.core import wire
+from impala_async.core.spec import TrajectorySpec
 
 MAX_MESSAGE_BYTES = 1 << 20
 COUNTER_TIMEOUT_S = 20.0  # a rejection must show up in metrics.jsonl (written every 0.5 s) within this long

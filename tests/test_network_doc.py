@@ -19,9 +19,9 @@ import pytest
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from impala_async import wire
-from impala_async.models import MODEL_KEYS, ModelConfig, build_model
-from impala_async.spec import TrajectorySpec
+from impala_async.core import wire
+from impala_async.core.models import MODEL_KEYS, ModelConfig, build_model
+from impala_async.core.spec import TrajectorySpec
 
 MAX_BYTES = 64 << 20
 F32 = np.float32
@@ -186,7 +186,7 @@ def test_the_check_can_fail(name, mutant):
 def test_run_model_says_what_is_built():
     atari = TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=4)
     vector = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=4)
-    learner_cfg = ModelConfig(hidden_sizes=(32, 32), activation="tanh")  # as impala_async.learn.model_config makes it
+    learner_cfg = ModelConfig(hidden_sizes=(32, 32), activation="tanh")  # as learner.learn.model_config makes it
     conv = learner_cfg.resolved(atari).to_dict()
     assert conv == NATURE and set(conv) == set(MODEL_KEYS["conv"])
     assert "hidden_sizes" not in conv and "tanh" not in json.dumps(conv)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import random_arrays
 
-from impala_async import wire
-from impala_async.ring import TrajectoryRing
+from impala_async.core import wire
+from impala_async.core.ring import TrajectoryRing
 
 
 def fill(ring, version, value=0.0, n=1):

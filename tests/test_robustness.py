@@ -37,7 +37,7 @@ from attacks import (
 )
 from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
 
-from impala_async import checkpoint
+from impala_async.learner import checkpoint
 
 FLAGS = ["--env", "CartPole-v1", "--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.25",
          "--total-env-steps", "100000000"]

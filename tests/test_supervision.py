@@ -12,7 +12,8 @@ import torch
 import zmq
 from procutil import cli, descendants, free_port_pair, read_metrics, stop, tail, wait_for
 
-from impala_async import checkpoint, wire
+from impala_async.core import wire
+from impala_async.learner import checkpoint
 
 LEARNER = ["--env", "CartPole-v1", "--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.5"]
 SMALL = [*LEARNER, "--envs-per-actor", "4"]
@@ -171,7 +172,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path):
 
 WRITER = """
 import sys, torch
-from impala_async import checkpoint
+from impala_async.learner import checkpoint
 checkpoint.save(sys.argv[1], {"x": torch.ones(64 << 20, dtype=torch.uint8) * 7}, 2)
 """
 

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-from impala_async.config import LearnerConfig
-from impala_async.learn import Learner
-from impala_async.ring import TrajectoryRing
-from impala_async.spec import TrajectorySpec
-from impala_async.trainer import Trainer
+from impala_async.core.ring import TrajectoryRing
+from impala_async.core.spec import TrajectorySpec
+from impala_async.learner.learn import Learner
+from impala_async.learner.trainer import Trainer
+from impala_async.ops.config import LearnerConfig
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 B, BATCHES = 4, 60

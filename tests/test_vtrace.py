@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from impala_async import vtrace
+from impala_async.core import vtrace
 
 
 def _clip(x, threshold):

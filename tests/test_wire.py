@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from helpers import random_arrays
 
-from impala_async import wire
-from impala_async.spec import TrajectorySpec
+from impala_async.core import wire
+from impala_async.core.spec import TrajectorySpec
 
 
 def empty_dest(spec: TrajectorySpec, n: int) -> dict[str, np.ndarray]:

@@ -26,8 +26,8 @@ with atheris.instrument_imports(include=["impala_async", "msgpack"]):
     import msgpack
     import numpy as np
 
-    from impala_async import wire
-    from impala_async.spec import TrajectorySpec
+    from impala_async.core import wire
+    from impala_async.core.spec import TrajectorySpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import FUZZ_LIMITS as LIMITS  # noqa: E402  (the same specs, limits and checks as tests/test_fuzz.py)

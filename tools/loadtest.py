@@ -32,9 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from impala_async.metrics import read_metrics
+from impala_async.learner.metrics import read_metrics
 
-ENVS = {"cartpole": "CartPole-v1", "atari": "impala_async.envs:PongLike-v0"}
+ENVS = {"cartpole": "CartPole-v1", "atari": "impala_async.actors.envs:PongLike-v0"}
 
 
 # ------------------------------------------------------------------------------------------------ synthetic actor
@@ -45,9 +45,9 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     import numpy as np
     import zmq
 
-    from impala_async import frames, wire
-    from impala_async.envs import make_env
-    from impala_async.spec import TrajectorySpec
+    from impala_async.actors.envs import make_env
+    from impala_async.core import frames, wire
+    from impala_async.core.spec import TrajectorySpec
 
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -55,7 +55,7 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     ctx = zmq.Context(1)
     sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
     if a.curve_keys:
-        from impala_async import auth
+        from impala_async.ops import auth
         keys = auth.load_actor_keys(a.curve_keys)
         auth.make_curve_client(sub, keys)
         auth.make_curve_client(push, keys)

@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import attacks  # noqa: E402  (tests/attacks.py: the same attacks as tests/test_robustness.py)
 
 from impala_async import checkpoint  # noqa: E402
-from impala_async.metrics import read_metrics  # noqa: E402
+from impala_async.learner.metrics import read_metrics  # noqa: E402
 
 
 def garbage_sender(listen: str, weights: str, rate_per_s: float, stop: threading.Event, sent: list) -> None:

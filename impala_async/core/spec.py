@@ -54,7 +54,7 @@ class TrajectorySpec:
 
     With ``frame_stack = S`` (uint8 observations ``[S, H, W]`` that stack consecutive frames), ``obs`` is replaced by
         frames            [T+S, H, W]        uint8       the first stack, then each later observation's newest frame
-    from which :func:`impala_async.frames.unstack` rebuilds ``obs``.
+    from which :func:`impala_async.core.frames.unstack` rebuilds ``obs``.
     """
 
     obs_shape: tuple[int, ...]

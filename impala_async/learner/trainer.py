@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.ring import Batch, TrajectoryRing
 from .learn import Learner
-from .ring import Batch, TrajectoryRing
 
-log = logging.getLogger("impala_async.trainer")
+log = logging.getLogger("impala_async.learner.trainer")
 
 
 class Staged(NamedTuple):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("impala_async.checkpoint")
+log = logging.getLogger("impala_async.learner.checkpoint")
 _NAME = re.compile(r"^checkpoint-(\d{12})\.pt$")
 _TMP_PREFIX, _TMP_SUFFIX = ".checkpoint-", ".tmp"
 

@@ -6,7 +6,7 @@ implements; keep the two in agreement.
 A trajectory message is one msgpack map carrying ``n`` trajectories of one actor. Every array travels as the raw
 little-endian bytes of one trajectory's field, either uncompressed or as an LZ4 block preceded by its uncompressed size
 (4 bytes, little-endian: the layout of ``lz4.block.compress(data)``). The decoder never trusts a size the sender
-states: every expected size comes from the :class:`~impala_async.spec.TrajectorySpec`, every container length is
+states: every expected size comes from the :class:`~impala_async.core.spec.TrajectorySpec`, every container length is
 capped before anything is allocated, and decompression writes straight into the destination (a ring-buffer slot).
 """
 

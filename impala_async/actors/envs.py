@@ -7,7 +7,7 @@ Any other id goes to ``gym.make`` as it is.
 
 The Pong-like environment serves the image path without ALE.
 
-``gym.make("impala_async.envs:PongLike-v0")`` imports this module and registers the environment. Observations are 4
+``gym.make("impala_async.actors.envs:PongLike-v0")`` imports this module and registers the environment. Observations are 4
 stacked 84x84 greyscale frames (uint8 ``[4, 84, 84]``), the shape of Atari after the usual preprocessing; 6 actions
 as in ALE Pong (NOOP, FIRE, UP, DOWN, UPFIRE, DOWNFIRE). The agent moves the right paddle; a scripted opponent with a
 speed limit moves the left one. A point is +1 when the ball passes the opponent, -1 when it passes the agent; a game
@@ -49,7 +49,7 @@ def make_env(env_id: str, **kwargs) -> gym.Env:
 
 def frame_stack_of(env: gym.Env) -> int:
     """S if ``env``'s observations are its last S frames stacked oldest first, a new episode's stack repeating its
-    first frame (what :mod:`impala_async.frames` sends as single frames); 0 if not known to be."""
+    first frame (what :mod:`impala_async.core.frames` sends as single frames); 0 if not known to be."""
     from gymnasium.wrappers import FrameStackObservation
 
     while True:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-log = logging.getLogger("impala_async.procs")
+log = logging.getLogger("impala_async.actors.procs")
 
 STARTUP_GRACE_S = 30.0  # the first heartbeat may take this long (interpreter start, torch import)
 

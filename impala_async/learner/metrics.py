@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.wire import REJECT_REASONS
 from .guard import CUT_REASONS
-from .wire import REJECT_REASONS
 
 # Bin edges of the importance-weight histogram in the metrics (policy-collapse diagnosis: mass far from 1).
 RHO_BIN_EDGES = (0.0, 0.1, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, 10.0)

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 import zmq
 
-from . import frames, wire
+from ..core import frames, wire
+from ..core.models import ModelConfig, build_model
+from ..core.spec import TrajectorySpec
 from .envs import make_env
-from .models import ModelConfig, build_model
-from .spec import TrajectorySpec
 
-log = logging.getLogger("impala_async.actor")
+log = logging.getLogger("impala_async.actors.actor")
 
 
 @dataclass
@@ -154,7 +154,7 @@ def run(cfg: ActorConfig) -> int:
     sub = ctx.socket(zmq.SUB)
     push = ctx.socket(zmq.PUSH)
     if cfg.curve_keys:
-        from . import auth
+        from ..ops import auth
         keys = auth.load_actor_keys(cfg.curve_keys)
         auth.make_curve_client(sub, keys)
         auth.make_curve_client(push, keys)

@@ -7,7 +7,7 @@ No asyncio: the server calls these methods from its event loop. Design:
   subscriptions grows the learner's memory (400K distinct topics held 1.3 GiB in automatic mode).
 - ``ZMQ_MAXMSGSIZE = max_subscription_bytes`` on the socket: a subscription is a few bytes, a CurveZMQ handshake
   frame about 300; a larger frame closes the connection before it is buffered (also before authentication).
-- A :class:`~impala_async.guard.ConnectionGuard` caps connections, unread bytes and subscription messages per
+- A :class:`~impala_async.learner.guard.ConnectionGuard` caps connections, unread bytes and subscription messages per
   connection.
 - Re-sends are rate-limited: weights go out after updates (at most every ``publish_interval_s``), again every
   ``republish_interval_s``, and once more for subscribers that joined since the last send, at most every
@@ -21,7 +21,7 @@ import time
 
 import zmq
 
-from .config import LearnerConfig
+from ..ops.config import LearnerConfig
 from .guard import ConnectionGuard, guard_source
 
 SNDHWM_MESSAGES = 2  # weights queued per subscriber (only the newest matter; actors CONFLATE)

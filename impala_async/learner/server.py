@@ -23,19 +23,20 @@ import numpy as np
 import torch
 import zmq
 
-from . import checkpoint, wire
-from .config import LearnerConfig
+from ..actors.procs import ActorProcesses
+from ..core import wire
+from ..core.ring import TrajectoryRing
+from ..core.spec import TrajectorySpec
+from ..ops.config import LearnerConfig
+from . import checkpoint
 from .guard import ConnectionGuard, guard_source, release_memory
 from .ingest import Histogram, Ingest
 from .learn import Learner
 from .metrics import MetricsWriter, Progress, Reporter
-from .procs import ActorProcesses
 from .publisher import WeightsPublisher
-from .ring import TrajectoryRing
-from .spec import TrajectorySpec
 from .trainer import Trainer
 
-log = logging.getLogger("impala_async.server")
+log = logging.getLogger("impala_async.learner.server")
 
 MAX_DRAIN_MESSAGES = 256  # messages handled per wake-up before yielding to other tasks ...
 MAX_DRAIN_S = 0.005  # ... or this much time
@@ -144,7 +145,7 @@ class LearnerServer:
         makes a socket a CurveZMQ server admitting only the allowed keys (see auth.py). Without keys: None."""
         if self.keys is None:
             return None
-        from . import auth
+        from ..ops import auth
         self.auth = auth.start_thread_authenticator(self.ctx, self.keys)
         log.info("CURVE on: %d allowed actor key(s)", len(self.keys.allowed))
         return lambda sock: auth.make_curve_server(sock, self.keys)
@@ -244,7 +245,7 @@ class LearnerServer:
             self.pull.close(0)
             self.publisher.close()
             if self.auth is not None:
-                from . import auth
+                from ..ops import auth
                 auth.stop_authenticator(self.auth)
             self.ctx.term()
             if hasattr(self, "metrics"):

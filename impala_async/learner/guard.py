@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-log = logging.getLogger("impala_async.guard")
+log = logging.getLogger("impala_async.learner.guard")
 
 _TCPI_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received (u64) in Linux's struct tcp_info (since Linux 4.1)
 _TCP_INFO_LEN = 136

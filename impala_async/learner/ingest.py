@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import wire
-from .config import LearnerConfig
-from .ring import TrajectoryRing
-from .spec import TrajectorySpec
+from ..core import wire
+from ..core.ring import TrajectoryRing
+from ..core.spec import TrajectorySpec
+from ..ops.config import LearnerConfig
 
-log = logging.getLogger("impala_async.ingest")
+log = logging.getLogger("impala_async.learner.ingest")
 
 
 class Histogram:

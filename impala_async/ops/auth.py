@@ -59,7 +59,7 @@ from zmq.auth.base import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-log = logging.getLogger("impala_async.auth")
+log = logging.getLogger("impala_async.ops.auth")
 
 ZAP_DOMAIN = "impala-async"
 LEARNER_NAME = "learner"
@@ -77,7 +77,7 @@ KEY_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 _PUBLIC_BANNER = """#   ****  Generated on {now} by impala-async  ****
 #   ZeroMQ CURVE Public Certificate
-#   Copy this file to the other side (see impala_async/auth.py for where it goes).
+#   Copy this file to the other side (see impala_async/ops/auth.py for where it goes).
 
 """
 _SECRET_BANNER = """#   ****  Generated on {now} by impala-async  ****

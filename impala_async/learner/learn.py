@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import frames, vtrace
-from .config import LearnerConfig
+from ..core import frames, vtrace
+from ..core.models import ModelConfig, build_model
+from ..core.spec import TrajectorySpec
+from ..ops.config import LearnerConfig
 from .metrics import RHO_BIN_EDGES
-from .models import ModelConfig, build_model
-from .spec import TrajectorySpec
 
 
 def model_config(cfg: LearnerConfig) -> ModelConfig:
