@@ -82,6 +82,7 @@ class Reporter:
         pub, pull = s.publisher, s.pull_guard
         rec.update({
             "incarnation": s.incarnation,
+            "difficulty": s.difficulty,
             "updates_skipped_nonfinite": s.learner.updates_skipped,
             "inputs_clipped": s.learner.inputs_clipped,
             "weights_refused_nonfinite": s.weights_refused_nonfinite,
@@ -103,7 +104,8 @@ class Reporter:
         for reason in REJECT_REASONS:
             rec[f"rejected_{reason}"] = ing.rejected[reason]
         stats = [st for st in stats if not st["skipped"]]  # a skipped update's losses are not finite
-        for name in ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "lr"):
+        for name in ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "rho_far_frac",
+                     "lr"):
             rec[name] = float(np.mean([st[name] for st in stats])) if stats else None
         rec["rho_hist"] = np.sum([st["rho_hist"] for st in stats], axis=0).tolist() if stats else None
         rec["rho_hist_edges"] = list(RHO_BIN_EDGES)

@@ -28,13 +28,14 @@ from ..core import wire
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
 from ..ops.config import LearnerConfig
-from . import checkpoint
+from . import checkpoint, curriculum
 from .guard import ConnectionGuard, guard_source, release_memory
 from .ingest import Histogram, Ingest
 from .learn import Learner
 from .metrics import MetricsWriter, Progress, Reporter
 from .publisher import WeightsPublisher
 from .trainer import Trainer
+from .watch import CollapseWatch
 
 log = logging.getLogger("impala_async.learner.server")
 
@@ -70,6 +71,10 @@ class LearnerServer:
         self.wall_offset_s = 0.0
         if resumed:
             self._restore(resumed)
+        # The curriculum's value follows from ingest.episodes (restored above): it travels with the weights.
+        self.curriculum = curriculum.from_config(cfg)
+        self.difficulty: float | None = None  # the value sent with the latest weights
+        self.watch = CollapseWatch.from_config(cfg, spec.num_actions, fresh=not resumed)
         self.loop_lag_s = Histogram()
         self.stage_s = {"receive": 0.0}
         self.reporter = Reporter(self, start_monotonic)
@@ -348,7 +353,10 @@ class LearnerServer:
             self.weights_refused_nonfinite += 1
             log.error("not publishing weights with non-finite values in %s", bad[:5])
             return None
-        return wire.encode_weights(self.trainer.policy_version, state, self.run_info, self.incarnation)
+        if self.curriculum is not None:
+            self.difficulty = self.curriculum.value(self.ingest.episodes)
+        return wire.encode_weights(self.trainer.policy_version, state, self.run_info, self.incarnation,
+                                   difficulty=self.difficulty)
 
     async def _republish_loop(self) -> None:
         """Apply subscriptions and send the latest weights again when actors have subscribed (they would otherwise
@@ -422,6 +430,8 @@ class LearnerServer:
             lags, self._lags = self._lags, []
         rec = self.reporter.record(stats, lags)
         self.metrics.write(rec)
+        for text in self.watch.feed(rec):  # policy-collapse warnings, rate-limited (watch.py)
+            log.warning(text)
         self.progress.show(rec)
 
     # -------------------------------------------------------------------------------------------- checkpoints

@@ -1,0 +1,126 @@
+"""Curriculum (learner/curriculum.py): the schedule, its value in the weights message, the environment hook, and a
+real run whose environments follow the schedule across a resume."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from procutil import cli, read_metrics, stop, tail
+
+from impala_async.actors.envs import make_env, set_difficulty
+from impala_async.core import wire
+from impala_async.learner import curriculum
+from impala_async.ops import config
+from impala_async.ops.config import LearnerConfig
+
+
+def test_linear_schedule():
+    s = curriculum.Linear(0.5, 2.0, 10_000)  # the source article's example
+    assert [s.value(e) for e in (0, 2_500, 5_000, 10_000, 10**9)] == [0.5, 0.875, 1.25, 2.0, 2.0]
+    assert s.value(-5) == 0.5
+    assert curriculum.Linear(1.0, 0.0, 4).value(1) == 0.75  # falling works too
+    with pytest.raises(ValueError):
+        curriculum.Linear(0.5, float("nan"), 10)
+    with pytest.raises(ValueError):
+        curriculum.Linear(0.5, 1.0, 0)
+
+
+def test_config_names_the_schedules():
+    assert set(config.CURRICULA) == {"none", *curriculum.SCHEDULES}
+    assert curriculum.from_config(LearnerConfig()) is None
+    cfg = LearnerConfig(curriculum="linear", curriculum_start=1.0, curriculum_end=3.0, curriculum_episodes=100)
+    assert curriculum.from_config(cfg).value(50) == 2.0
+    for bad in ({"curriculum": "cosine"}, {"curriculum_episodes": 0}, {"curriculum_end": float("inf")}):
+        with pytest.raises(ValueError, match="curriculum"):
+            LearnerConfig(**bad).check()
+
+
+def test_weights_message_carries_the_difficulty():
+    tensors = {"w": np.arange(3, dtype=np.float32)}
+    plain = wire.encode_weights(7, tensors, {"env_id": "x"}, 5)
+    assert wire.decode_weights(plain, 1 << 20).difficulty is None  # absent: no curriculum
+    data = wire.encode_weights(7, tensors, {"env_id": "x"}, 5, difficulty=1.25)
+    msg = wire.decode_weights(data, 1 << 20)
+    assert msg.difficulty == 1.25 and msg.version == 7 and msg.incarnation == 5
+    assert wire.weights_header(data) == (7, 5)  # a re-sent copy is still told by version and incarnation
+    import msgpack
+    assert list(msgpack.unpackb(data))[:6] == ["v", "type", "version", "incarnation", "difficulty", "run"]
+    bad = msgpack.packb({**msgpack.unpackb(data), "difficulty": "hard"})
+    with pytest.raises(wire.Rejected, match="difficulty"):
+        wire.decode_weights(bad, 1 << 20)
+
+
+def test_the_hook_applies_at_the_next_reset():
+    env = make_env("impala_async.actors.envs:DifficultyProbe-v0")
+    env.reset(seed=0)
+    assert env.step(0)[1] == 0.0  # never set
+    assert set_difficulty(env, 1.5) == 1.5  # through the gymnasium wrappers to env.unwrapped
+    assert env.step(0)[1] == 0.0  # not mid-episode
+    env.reset()
+    assert env.step(0)[1] == 1.5
+    assert set_difficulty(env, None) is None
+    env.reset()
+    assert env.step(0)[1] == 1.5  # no curriculum: unchanged
+    cartpole = make_env("CartPole-v1")
+    assert set_difficulty(cartpole, 2.0) == 2.0  # an environment without the hook ignores it
+
+
+N_EPISODES = 20_000  # the ramp, in episodes
+LAG = 2_000  # episodes (see the test's docstring)
+WINDOW = 100  # episode_return_mean: the last 100 episodes
+
+
+def schedule(episodes: float) -> float:
+    return 0.5 + 1.5 * min(1.0, max(0.0, episodes) / N_EPISODES)
+
+
+def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
+    """DifficultyProbe's reward is the difficulty its episode ran at, so ``episode_return_mean`` (the last 100
+    episodes) is the schedule seen through the actors. Bounds for a record at ``episodes`` E:
+
+    - never ahead: at most schedule(E). The value an environment plays with was computed from the learner's count
+      when it encoded those weights, before those episodes were counted, and the schedule rises.
+    - at most LAG behind: at least schedule(E - 100 - LAG). Between the encoding and the counting lie the episodes in
+      flight: the unroll being played when the weights arrive (an actor reads weights between unrolls), messages
+      queued at the actor and at the learner (ZeroMQ marks of 4 and 8 messages) and the next unroll, 20 episodes
+      each here (4 one-step environments x 5 steps). The learner reads promptly (``--when-full drop_oldest``, the
+      default, drops batches rather than stop reading): measured, under 300 episodes. LAG = 2,000 allows for a loaded
+      machine, still within 0.16 of the 1.5 the ramp climbs. (With ``--when-full wait`` a backlog in the sockets'
+      kernel buffers adds thousands of episodes of lag.)
+
+    The run stops (early on the ramp, or past it on a slow machine that drops many batches: the budget counts trained
+    steps) and resumes from its checkpoint: the episode count, and with it the schedule, continues.
+    """
+    logdir = tmp_path / "run"
+    flags = ["--env", "impala_async.actors.envs:DifficultyProbe-v0", "--num-actors", "1", "--envs-per-actor", "4",
+             "--unroll-length", "5", "--batch-size", "4", "--report-interval-s", "0.1", "--curriculum", "linear",
+             "--curriculum-start", "0.5", "--curriculum-end", "2.0", "--curriculum-episodes", str(N_EPISODES)]
+    for i, (args, budget) in enumerate([(flags + ["--logdir", str(logdir)], 3_000),
+                                        (["--resume", str(logdir)], N_EPISODES + WINDOW + LAG)]):
+        log = tmp_path / f"log{i}"
+        proc = cli("train", *args, "--total-env-steps", str(budget), log=log)
+        try:
+            assert proc.wait(120) == 0, tail(log)
+        except subprocess.TimeoutExpired:
+            stop(proc)
+            raise AssertionError(f"train did not finish within 120 s\n{tail(log, 80)}") from None
+        if i == 0:
+            first_run = len(read_metrics(logdir))
+    rows = [r for r in read_metrics(logdir) if r["episode_return_mean"] is not None]
+    assert rows, tail(log)
+    ramp = [r for r in rows if r["episodes"] < N_EPISODES]
+    assert len(ramp) >= 4, [(r["episodes"], r["episode_return_mean"]) for r in rows]
+    for r in rows:
+        e, seen, sent = r["episodes"], r["episode_return_mean"], r["difficulty"]
+        assert schedule(e - WINDOW - LAG) - 1e-9 <= seen <= schedule(e) + 1e-9, (e, seen, schedule(e))
+        assert sent is not None and schedule(e - LAG) - 1e-9 <= sent <= schedule(e) + 1e-9, (e, sent)
+        if e >= N_EPISODES + WINDOW + LAG:
+            assert seen == 2.0, (e, seen)
+    assert rows[-1]["episodes"] >= N_EPISODES + WINDOW + LAG
+    resumed = read_metrics(logdir)[first_run:]
+    before = read_metrics(logdir)[first_run - 1]
+    assert before["difficulty"] > 0.6  # stopped on the way up (or past it) ...
+    assert resumed[0]["episodes"] >= before["episodes"]  # ... and resumed the count,
+    assert resumed[0]["difficulty"] >= before["difficulty"]  # and the schedule with it, not from its start
