@@ -1,0 +1,372 @@
+"""``impala-async eval``: play a learner checkpoint's policy for a few episodes and report its returns.
+
+The environment is built as actors build it (:func:`impala_async.actors.envs.make_env` with the run's ``env`` and
+``env_kwargs``) and the network as the learner builds it (:func:`impala_async.learner.learn.model_config` of the
+run's :class:`LearnerConfig`, then :func:`impala_async.core.models.build_model`), so any model kind the learner can
+train loads here unchanged. The network is called once per step in :meth:`Policy.act` only (a recurrent core would
+keep its state there, reset by :meth:`Policy.reset`).
+
+With ``--video DIR``: one video per episode (the first ``--video-episodes``), MP4 through imageio's ffmpeg plugin or
+GIF where ffmpeg is missing. Frames are ``env.render()`` where the environment renders ``rgb_array`` (ALE, CartPole
+with pygame), else built from uint8 image observations (:func:`frame_from_obs`), scaled up to at least
+``MIN_VIDEO_SIDE`` pixels on the short side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..actors.envs import frame_stack_of, make_env
+from ..core.models import build_model
+from ..core.spec import TrajectorySpec
+from ..ops.config import LearnerConfig
+from . import checkpoint
+from .learn import model_config
+
+log = logging.getLogger("impala_async.learner.evaluate")
+VIDEO_EXTRA = "pip install 'impala-async[video]'"
+MIN_VIDEO_SIDE = 256  # smaller frames are scaled up by a whole factor (nearest neighbour) to at least this
+# Colours of observation planes [C, H, W] that are no frame stack (MinAtar's objects): one per channel, cycled.
+PLANE_COLOURS = np.array([[230, 25, 75], [60, 180, 75], [255, 225, 25], [0, 130, 200], [245, 130, 48],
+                          [145, 30, 180], [70, 240, 240], [240, 50, 230], [210, 245, 60], [250, 190, 212]], np.uint8)
+
+
+class EvalError(Exception):
+    """A refusal, reported as one line."""
+
+
+@dataclass
+class EvalOptions:
+    checkpoint: str  # a checkpoint file, or a run directory (its newest good checkpoint)
+    episodes: int = 10
+    greedy: bool = False
+    seed: int = 0
+    max_episode_steps: int = 100_000  # an episode still running after this many steps is cut (and reported)
+    video: str = ""  # directory for videos; empty: none
+    video_episodes: int = 0  # videos of the first K episodes; 0: every episode
+    video_max_frames: int = 10_000  # per video (a GIF holds its frames in memory until written)
+    fps: int = 30
+    max_checkpoint_bytes: int = 4 << 30
+
+    def check(self) -> None:
+        for name in ("episodes", "max_episode_steps", "video_max_frames", "fps", "max_checkpoint_bytes"):
+            if getattr(self, name) < 1:
+                raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.video_episodes < 0:
+            raise EvalError(f"--video-episodes must be >= 0, got {self.video_episodes}")
+
+
+@dataclass
+class Episode:
+    ret: float
+    length: int
+    end: str  # "terminated", "truncated" (the environment's time limit) or "max_steps" (--max-episode-steps)
+    video: str = ""
+    frames: int = 0
+
+
+def load_state(path: str | Path, max_bytes: int) -> tuple[dict, Path]:
+    """The learner checkpoint at ``path`` (a file, or a run directory's newest good one), validated."""
+    path = Path(path)
+    if path.is_dir():
+        found = checkpoint.load_latest(path, max_bytes=max_bytes, validate=checkpoint.validate_learner_state)
+        if found is None:
+            raise EvalError(f"no usable checkpoint in {path} (see the warnings above)")
+        return found
+    if not path.is_file():
+        raise EvalError(f"{path}: no such checkpoint file or run directory")
+    try:
+        state = checkpoint.load(path, max_bytes)
+        checkpoint.validate_learner_state(state)
+    except Exception as e:
+        raise EvalError(f"{path} is no usable learner checkpoint: {type(e).__name__}: {str(e)[:300]}") from None
+    return state, path
+
+
+def run_config(state: dict) -> LearnerConfig:
+    """The run's LearnerConfig from the checkpoint (fields this version does not know are left out)."""
+    names = {f.name for f in dataclasses.fields(LearnerConfig)}
+    return LearnerConfig(**{k: v for k, v in state["config"].items() if k in names})
+
+
+def build_network(cfg: LearnerConfig, spec: TrajectorySpec, weights: dict) -> torch.nn.Module:
+    """The learner's network (built as :class:`impala_async.learner.learn.Learner` builds it) with ``weights``."""
+    model = build_model(spec, model_config(cfg).resolved(spec))
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise EvalError(f"the checkpoint's weights do not fit the network its configuration describes: "
+                        f"{str(e)[:300]}") from None
+    return model.eval()
+
+
+class Policy:
+    """The checkpoint's policy on one environment: :meth:`reset` at each episode's start, :meth:`act` each step."""
+
+    def __init__(self, model: torch.nn.Module, spec: TrajectorySpec, greedy: bool, rng: np.random.Generator):
+        self.model, self.obs_dtype, self.greedy, self.rng = model, spec.obs_dtype, greedy, rng
+
+        self.state: tuple = ()
+
+    def reset(self) -> None:
+        """A new episode begins: a network with a recurrent core (one that has ``initial_state(batch_size)``) starts
+        from its initial state."""
+        initial_state = getattr(self.model, "initial_state", None)
+        self.state = initial_state(1) if initial_state is not None else ()
+
+    @torch.inference_mode()
+    def act(self, obs: np.ndarray) -> int:
+        """``obs [*obs_shape]`` -> the action: argmax of the logits ``[A]`` if greedy, else a sample (Gumbel-max, as
+        actors sample). The network sees a batch of one, ``[1, *obs_shape]``; a recurrent one also its state, through
+        ``step(obs, state) -> (logits, values, state)``."""
+        x = torch.from_numpy(np.asarray(obs, self.obs_dtype)[None])
+        if self.state:
+            logits, _, self.state = self.model.step(x, self.state)
+        else:
+            logits, _ = self.model(x)  # [1, A], [1]
+        logits = logits[0].double().numpy()
+        if self.greedy:
+            return int(np.argmax(logits))
+        return int(np.argmax(logits - np.log(-np.log(self.rng.random(logits.shape)))))
+
+
+def make_eval_env(env_id: str, env_kwargs: dict, render: bool):
+    """The environment as actors make it; with ``render``, in ``rgb_array`` render mode where it declares one.
+    Returns ``(env, renders)``."""
+    try:
+        env = make_env(env_id, **env_kwargs)
+        if not render or "rgb_array" not in (env.metadata.get("render_modes") or ()):
+            return env, False
+        env.close()
+        os.environ.setdefault("SDL_VIDEODRIVER", "dummy")  # pygame (CartPole's renderer) draws off screen
+        os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
+        return make_env(env_id, render_mode="rgb_array", **env_kwargs), True
+    except Exception as e:  # an unknown id, a missing dependency, an argument the environment does not take
+        raise EvalError(f"cannot make {env_id} with {env_kwargs}: {type(e).__name__}: {str(e)[:300]}") from None
+
+
+def upscale(frame: np.ndarray, min_side: int = MIN_VIDEO_SIDE) -> np.ndarray:
+    """``[H, W, 3]`` -> ``[kH, kW, 3]`` with the smallest whole ``k`` that makes ``min(kH, kW) >= min_side``."""
+    k = max(1, math.ceil(min_side / min(frame.shape[:2])))
+    return frame if k == 1 else frame.repeat(k, axis=0).repeat(k, axis=1)
+
+
+def frame_from_obs(obs: np.ndarray, stacked: bool) -> np.ndarray:
+    """An RGB frame ``[H, W, 3]`` uint8 from an image observation: a frame stack ``[S, H, W]`` (``stacked``) shows its
+    newest frame in grey; planes of 0 and 1 ``[C, H, W]`` (MinAtar's objects) paint each nonzero cell in its
+    channel's colour (``PLANE_COLOURS``), later channels on top; otherwise ``[H, W]`` and ``[1, H, W]`` are grey,
+    ``[3, H, W]`` RGB, and other ``[C, H, W]`` are painted as planes."""
+    obs = np.asarray(obs)
+    if obs.dtype != np.uint8 or obs.ndim not in (2, 3):
+        raise EvalError(f"observations {obs.dtype} {list(obs.shape)} are no image and the environment renders no "
+                        f"rgb_array frames: no video")
+    planes = obs.ndim == 3 and not stacked and obs.max(initial=0) <= 1
+    if not planes and (obs.ndim == 2 or stacked or obs.shape[0] == 1):
+        grey = obs if obs.ndim == 2 else obs[-1]
+        return np.repeat(grey[:, :, None], 3, axis=2)
+    if not planes and obs.shape[0] == 3:
+        return np.ascontiguousarray(obs.transpose(1, 2, 0))
+    frame = np.zeros((*obs.shape[1:], 3), np.uint8)
+    for c, plane in enumerate(obs):
+        frame[plane > 0] = PLANE_COLOURS[c % len(PLANE_COLOURS)]
+    return frame
+
+
+def _even(frame: np.ndarray) -> np.ndarray:
+    """Pad ``[H, W, 3]`` with black to even sides (H.264 in yuv420p needs them)."""
+    h, w = frame.shape[:2]
+    return np.pad(frame, ((0, h % 2), (0, w % 2), (0, 0))) if h % 2 or w % 2 else frame
+
+
+class VideoWriter:
+    """Videos of episodes as ``DIR/episode-NNN.mp4`` (ffmpeg) or ``.gif`` (no ffmpeg): :meth:`open` one, then
+    :meth:`add` frames ``[H, W, 3]`` uint8 and :meth:`close` it. Raises EvalError without imageio."""
+
+    def __init__(self, directory: str | Path, fps: int, max_frames: int):
+        try:
+            import imageio.v2 as imageio
+        except ImportError:
+            raise EvalError(f"--video needs imageio: {VIDEO_EXTRA}") from None
+        self.imageio, self.fps, self.max_frames = imageio, fps, max_frames
+        try:
+            import imageio_ffmpeg
+            imageio_ffmpeg.get_ffmpeg_exe()
+            self.format = "mp4"
+        except (ImportError, RuntimeError):
+            self.format = "gif"
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._writer, self.path, self.frames = None, None, 0
+
+    def open(self, episode: int) -> None:
+        self.path = self.directory / f"episode-{episode:03d}.{self.format}"
+        if self.format == "mp4":
+            self._writer = self.imageio.get_writer(self.path, format="FFMPEG", mode="I", fps=self.fps,
+                                                   codec="libx264", macro_block_size=1, ffmpeg_log_level="error")
+        else:
+            self._writer = self.imageio.get_writer(self.path, mode="I", duration=1000 / self.fps, loop=0)
+        self.frames = 0
+
+    def add(self, frame: np.ndarray) -> None:
+        if self.frames < self.max_frames:
+            frame = upscale(np.asarray(frame, np.uint8))
+            self._writer.append_data(_even(frame) if self.format == "mp4" else frame)
+            self.frames += 1
+
+    def close(self) -> tuple[str, int]:
+        self._writer.close()
+        self._writer = None
+        return str(self.path), self.frames
+
+
+def play_episode(env, policy: Policy, max_steps: int, seed: int | None, on_frame=None) -> Episode:
+    """One episode, at most ``max_steps`` steps; ``on_frame(obs)`` after the reset and after every step."""
+    obs, _ = env.reset(seed=seed)
+    policy.reset()
+    if on_frame:
+        on_frame(obs)
+    total, steps = 0.0, 0
+    while steps < max_steps:
+        obs, reward, terminated, truncated, _ = env.step(policy.act(obs))
+        total += float(reward)
+        steps += 1
+        if on_frame:
+            on_frame(obs)
+        if terminated or truncated:
+            return Episode(total, steps, "terminated" if terminated else "truncated")
+    return Episode(total, steps, "max_steps")
+
+
+@dataclass
+class Report:
+    checkpoint: str
+    env: str
+    env_steps_trained: int
+    policy_version: int
+    greedy: bool
+    seed: int
+    episodes: list[Episode] = field(default_factory=list)
+    video_format: str = ""
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        r = np.array([e.ret for e in self.episodes])
+        n = np.array([e.length for e in self.episodes])
+        return {"checkpoint": self.checkpoint, "env": self.env, "env_steps_trained": self.env_steps_trained,
+                "policy_version": self.policy_version, "greedy": self.greedy, "seed": self.seed,
+                "episodes": len(self.episodes), "return_mean": float(r.mean()), "return_std": float(r.std()),
+                "return_min": float(r.min()), "return_max": float(r.max()), "length_mean": float(n.mean()),
+                "length_std": float(n.std()), "returns": r.tolist(), "lengths": n.tolist(),
+                "ends": [e.end for e in self.episodes], "cut": sum(e.end == "max_steps" for e in self.episodes),
+                "video_format": self.video_format or None,
+                "videos": [{"episode": i, "path": e.video, "frames": e.frames}
+                           for i, e in enumerate(self.episodes) if e.video],
+                "seconds": round(self.seconds, 3)}
+
+    def line(self) -> str:
+        s = self.summary()
+        mode = "greedy" if self.greedy else "sampled"
+        text = (f"{self.env} after {self.env_steps_trained:,} env steps trained ({Path(self.checkpoint).name}), "
+                f"{s['episodes']} episodes, {mode}, seed {self.seed}: return mean {s['return_mean']:.2f} "
+                f"std {s['return_std']:.2f} (min {s['return_min']:g}, max {s['return_max']:g}); "
+                f"length mean {s['length_mean']:.1f} std {s['length_std']:.1f}")
+        if s["cut"]:
+            text += f"; {s['cut']} cut at --max-episode-steps"
+        return text
+
+
+def evaluate(opts: EvalOptions, progress=None) -> Report:
+    """Play ``opts.episodes`` episodes; ``progress(i, episode)`` after each."""
+    opts.check()
+    state, path = load_state(opts.checkpoint, opts.max_checkpoint_bytes)
+    cfg = run_config(state)
+    spec = TrajectorySpec.from_dict(state["spec"])
+    model = build_network(cfg, spec, state["learner"]["model"])
+    writer = VideoWriter(opts.video, opts.fps, opts.video_max_frames) if opts.video else None
+    env, renders = make_eval_env(cfg.env, cfg.env_kwargs_dict, render=writer is not None)
+    try:
+        got = TrajectorySpec.from_spaces(env.observation_space, env.action_space, spec.unroll_length)
+        if (got.obs_shape, got.obs_dtype, got.num_actions) != (spec.obs_shape, spec.obs_dtype, spec.num_actions):
+            raise EvalError(f"{cfg.env} now has observations {got.obs_dtype} {list(got.obs_shape)} and "
+                            f"{got.num_actions} actions; the checkpoint was trained on {spec.obs_dtype} "
+                            f"{list(spec.obs_shape)} and {spec.num_actions}")
+        stacked = frame_stack_of(env) > 0
+        policy = Policy(model, spec, opts.greedy, np.random.default_rng(opts.seed))
+        report = Report(str(path), cfg.env, int(state["learner"]["env_steps_trained"]), int(state["policy_version"]),
+                        opts.greedy, opts.seed, video_format=writer.format if writer else "")
+        recorded = opts.video_episodes or opts.episodes
+
+        def record(obs: np.ndarray) -> None:
+            writer.add(_render(env, cfg.env) if renders else frame_from_obs(obs, stacked))
+
+        t0 = time.monotonic()
+        for i in range(opts.episodes):
+            filmed = writer is not None and i < recorded
+            if filmed:
+                writer.open(i)
+            try:
+                episode = play_episode(env, policy, opts.max_episode_steps, opts.seed if i == 0 else None,
+                                       record if filmed else None)
+            finally:
+                if filmed:
+                    video, frames = writer.close()
+            if filmed:
+                episode.video, episode.frames = video, frames
+            report.episodes.append(episode)
+            if progress:
+                progress(i, episode)
+        report.seconds = time.monotonic() - t0
+        return report
+    finally:
+        env.close()
+
+
+def _render(env, env_id: str) -> np.ndarray:
+    try:
+        frame = env.render()
+    except Exception as e:  # pygame missing (CartPole) and the like
+        raise EvalError(f"--video: {env_id} cannot render ({type(e).__name__}: {str(e)[:200]}): {VIDEO_EXTRA}") \
+            from None
+    if not isinstance(frame, np.ndarray) or frame.ndim != 3 or frame.shape[2] not in (3, 4):
+        raise EvalError(f"--video: {env_id}'s render() gave no [H, W, 3] frame")
+    return rgb8(frame)
+
+
+def rgb8(frame: np.ndarray) -> np.ndarray:
+    """A rendered frame ``[H, W, 3 or 4]`` as uint8 RGB ``[H, W, 3]``: floats (MinAtar renders float64 in [0, 1])
+    scaled to 0..255, alpha dropped."""
+    frame = frame[..., :3]
+    if frame.dtype == np.uint8:
+        return frame
+    frame = frame.astype(np.float64)
+    if frame.max(initial=0.0) <= 1.0:
+        frame = frame * 255.0
+    return np.clip(np.rint(frame), 0, 255).astype(np.uint8)
+
+
+def main(opts: EvalOptions, as_json: bool = False) -> int:
+    """The ``eval`` command: per-episode lines and a summary line, or one JSON object with ``as_json``."""
+    def progress(i, e):
+        video = f", video {e.video} ({e.frames} frames)" if e.video else ""
+        print(f"episode {i + 1}/{opts.episodes}: return {e.ret:.6g}, length {e.length} ({e.end}){video}", flush=True)
+
+    report = evaluate(opts, None if as_json else progress)
+    if as_json:
+        print(json.dumps(report.summary()))
+        return 0
+    if report.video_format:
+        how = ("MP4 (ffmpeg)" if report.video_format == "mp4" else
+               f"GIF (ffmpeg not found; {VIDEO_EXTRA} for MP4)")
+        print(f"videos: {sum(bool(e.video) for e in report.episodes)} as {how} in {opts.video}")
+    print(report.line())
+    return 0
