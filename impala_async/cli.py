@@ -4,6 +4,7 @@
     impala-async learner --listen tcp://0.0.0.0:5555          learner only; prints the addresses actors attach to
     impala-async actor --learner tcp://HOST:5555              actors on another machine
     impala-async keygen DIR [--name learner|actor]            CurveZMQ key pair for authenticated actors
+    impala-async eval --checkpoint RUN_DIR [--video DIR]      play a checkpoint's policy, report its returns
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
     except (ValueError, OSError) as e:
         raise SystemExit(f"impala-async: {e}") from None
 
+    import gymnasium as gym
     import numpy as np
     import torch
     import uvloop
@@ -76,11 +78,20 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
         env = make_env(cfg.env, **cfg.env_kwargs_dict)
     except TypeError as e:  # an argument the environment does not take
         raise SystemExit(f"impala-async: --env {cfg.env} --env-kwargs {cfg.env_kwargs}: {e}") from None
+    except gym.error.DependencyNotInstalled as e:
+        raise SystemExit(f"impala-async: {e}") from None
     spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, cfg.unroll_length,
-                                      frame_stack=frame_stack_of(env) if cfg.frame_dedup else 0)
+                                      frame_stack=frame_stack_of(env) if cfg.frame_dedup else 0,
+                                      core_state_size=cfg.lstm_size if cfg.use_lstm else 0)
+    if not cfg.input_scale:  # uint8 images to [0, 1]: 1/255 for pixels, 1 for MinAtar's 0/1 planes
+        high = float(np.max(env.observation_space.high)) if spec.obs_dtype == "uint8" else 255.0
+        cfg.input_scale = 1.0 / max(1.0, high)
     env.close()
     cfg.resolve_for(spec.trajectory_nbytes)
-    learner = Learner(cfg, spec, device)
+    try:
+        learner = Learner(cfg, spec, device)
+    except ValueError as e:  # a network this observation space cannot take (an LSTM on vectors, images too small)
+        raise SystemExit(f"impala-async: {e}") from None
     if resumed is not None:
         if dataclasses.replace(TrajectorySpec.from_dict(resumed["spec"]), frame_stack=0) != \
                 dataclasses.replace(spec, frame_stack=0):  # how frames travel may change; the network may not
@@ -192,6 +203,43 @@ def cmd_keygen(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from .learner import evaluate
+
+    opts = evaluate.EvalOptions(
+        checkpoint=args.checkpoint, episodes=args.episodes, greedy=args.greedy, seed=args.seed,
+        max_episode_steps=args.max_episode_steps, video=args.video, video_episodes=args.video_episodes,
+        video_max_frames=args.video_max_frames, fps=args.fps, max_checkpoint_bytes=args.max_checkpoint_bytes)
+    try:
+        return evaluate.main(opts, as_json=args.json)
+    except evaluate.EvalError as e:
+        raise SystemExit(f"impala-async eval: {e}") from None
+
+
+def _add_eval(sub) -> None:
+    ev = sub.add_parser("eval", help="play a checkpoint's policy and report its returns", description=(
+        "Load a learner checkpoint, play --episodes episodes in the run's environment (built as actors build it) "
+        "and print the mean and standard deviation of the return and the episode length; --video DIR films them."))
+    ev.add_argument("--checkpoint", required=True, metavar="PATH",
+                    help="a checkpoint file, or a run directory (its newest good checkpoint)")
+    ev.add_argument("--episodes", type=int, default=10, help="episodes to play (default: 10)")
+    ev.add_argument("--greedy", action="store_true", help="take the most likely action instead of sampling")
+    ev.add_argument("--seed", type=int, default=0, help="seeds the first reset and the sampling (default: 0)")
+    ev.add_argument("--max-episode-steps", type=int, default=100_000,
+                    help="cut an episode after this many steps, reported as cut (default: 100000)")
+    ev.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    ev.add_argument("--video", default="", metavar="DIR", help=(
+        "write a video per episode into DIR: MP4, or GIF without ffmpeg (pip install 'impala-async[video]')"))
+    ev.add_argument("--video-episodes", type=int, default=0, metavar="K",
+                    help="film only the first K episodes (default: 0, every one)")
+    ev.add_argument("--video-max-frames", type=int, default=10_000,
+                    help="frames per video at most; a GIF holds them in memory (default: 10000)")
+    ev.add_argument("--fps", type=int, default=30, help="video frame rate (default: 30)")
+    ev.add_argument("--max-checkpoint-bytes", type=int, default=4 << 30,
+                    help="refuse a checkpoint larger than this (default: 4 GiB)")
+    ev.set_defaults(func=cmd_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="impala-async", description="IMPALA (V-trace actor-learner) over ZeroMQ.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -238,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("directory", help="where to write the key files (created with mode 0700)")
     keygen.add_argument("--name", default="learner", help="file name stem: learner or actor (default: learner)")
     keygen.set_defaults(func=cmd_keygen)
+    _add_eval(sub)
     return p
 
 

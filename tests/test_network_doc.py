@@ -28,7 +28,12 @@ F32 = np.float32
 ACT = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, F32(0)),
        "elu": lambda x: np.where(x > 0, x, np.expm1(np.minimum(x, 0)))}  # exp(x) - 1 for x <= 0
 NATURE = {"kind": "conv", "input_scale": 0.00392156862745098,  # the page's Atari run.model
-          "conv_layers": [[32, 8, 4, 0], [64, 4, 2, 0], [64, 3, 1, 0]], "fc_size": 512, "activation": "relu"}
+          "conv_layers": [[32, 8, 4, 0], [64, 4, 2, 0], [64, 3, 1, 0]], "fc_size": 512, "activation": "relu",
+          "lstm_size": 0}
+MINATAR = {"kind": "conv", "input_scale": 1.0, "conv_layers": [[16, 3, 1, 0]], "fc_size": 128, "activation": "relu",
+           "lstm_size": 0}
+DEEP = {"kind": "deep", "input_scale": 0.00392156862745098, "stages": [[16, 2], [32, 2], [32, 2]], "fc_size": 256,
+        "lstm_size": 0}
 
 
 # ---------------------------------------------------------------------------------- from the page, numpy only
@@ -40,6 +45,18 @@ def expected_shapes(model: dict, obs_shape, num_actions: int) -> dict[str, tuple
         out = {f"{torso}.{2 * i}.{p}": (h[i + 1], h[i]) if p == "weight" else (h[i + 1],)
                for torso in ("policy_torso", "value_torso") for i in range(len(h) - 1) for p in ("weight", "bias")}
         width = h[-1]
+    elif model["kind"] == "deep":
+        c, H, W = obs_shape
+        out = {}
+        for i, (ch, blocks) in enumerate(model["stages"]):
+            out[f"stages.{i}.conv.weight"], out[f"stages.{i}.conv.bias"] = (ch, c, 3, 3), (ch,)
+            for j in range(blocks):
+                for conv in ("conv0", "conv1"):
+                    out[f"stages.{i}.blocks.{j}.{conv}.weight"] = (ch, ch, 3, 3)
+                    out[f"stages.{i}.blocks.{j}.{conv}.bias"] = (ch,)
+            c, H, W = ch, (H - 1) // 2 + 1, (W - 1) // 2 + 1
+        width = model["fc_size"]
+        out["fc.0.weight"], out["fc.0.bias"] = (width, c * H * W), (width,)
     else:
         c, H, W = obs_shape
         out = {}
@@ -48,6 +65,11 @@ def expected_shapes(model: dict, obs_shape, num_actions: int) -> dict[str, tuple
             c, H, W = o, (H + 2 * p - k) // s + 1, (W + 2 * p - k) // s + 1
         width = model["fc_size"]
         out["fc.0.weight"], out["fc.0.bias"] = (width, c * H * W), (width,)
+    L = model.get("lstm_size", 0)
+    if L:
+        out.update({"core.weight_ih": (4 * L, width), "core.weight_hh": (4 * L, L), "core.bias_ih": (4 * L,),
+                    "core.bias_hh": (4 * L,)})
+        width = L
     out.update({"policy_head.weight": (A, width), "policy_head.bias": (A,),
                 "value_head.weight": (1, width), "value_head.bias": (1,)})
     return out
@@ -66,8 +88,32 @@ def conv2d(x, w, b, stride: int, padding: int):
     return np.einsum("nchwuv,ocuv->nohw", windows, w, optimize=True) + b[None, :, None, None]
 
 
-def forward(model: dict, t: dict, obs: np.ndarray, mutant: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(logits [N, A], values [N]) as the page says; ``mutant`` names a misreading of it, for the negative tests."""
+def maxpool(x, padding: int = 1):
+    """MaxPool2d(3, stride 2, padding 1): -inf padding, the maximum of each 3x3 window at stride 2."""
+    x = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)), constant_values=-np.inf)
+    return sliding_window_view(x, (3, 3), axis=(2, 3))[:, :, ::2, ::2].max(axis=(-1, -2))
+
+
+def sigmoid(x):
+    return F32(1) / (F32(1) + np.exp(-x))
+
+
+def lstm(x, t, state, mutant=None):
+    """The page's core: gates i, f, g, o in that order; returns (h', c')."""
+    h, c = state
+    gates = x @ t["core.weight_ih"].T + t["core.bias_ih"] + h @ t["core.weight_hh"].T + t["core.bias_hh"]
+    i, f, g, o = np.split(gates, 4, axis=1)
+    if mutant == "gate_order":
+        i, f, o, g = i, f, g, o  # i, f, o, g: another library's order
+    c = sigmoid(f) * c + sigmoid(i) * np.tanh(g)
+    return sigmoid(o) * np.tanh(c), c
+
+
+def forward(model: dict, t: dict, obs: np.ndarray, mutant: str | None = None, state=None):
+    """(logits [N, A], values [N]) as the page says, plus the next state (h', c') with an LSTM core (``state`` (h, c)
+    is zeros when not given); ``mutant`` names a misreading of the page, for the negative tests."""
+    if model["kind"] == "deep":
+        return deep_forward(model, t, obs, mutant, state)
     act = ACT[model["activation"]]
     last_act = (lambda x: x) if mutant == "no_last_activation" else act
     n = obs.shape[0]
@@ -92,7 +138,33 @@ def forward(model: dict, t: dict, obs: np.ndarray, mutant: str | None = None) ->
         p = v = last_act(linear(x, t, "fc.0"))
     else:
         raise ValueError(f"unknown model kind {model['kind']!r}")
-    return linear(p, t, "policy_head"), linear(v, t, "value_head")[:, 0]
+    return heads(model, t, p, v, mutant, state)
+
+
+def heads(model, t, p, v, mutant, state):
+    L = model.get("lstm_size", 0)
+    if not L:
+        return linear(p, t, "policy_head"), linear(v, t, "value_head")[:, 0]
+    if state is None:
+        state = (np.zeros((len(p), L), F32), np.zeros((len(p), L), F32))
+    h, c = lstm(p, t, state, mutant)
+    return linear(h, t, "policy_head"), linear(h, t, "value_head")[:, 0], (h, c)
+
+
+def deep_forward(model, t, obs, mutant, state):
+    n = obs.shape[0]
+    x = obs.astype(F32) * F32(model["input_scale"])
+    relu = ACT["relu"]
+    for i, (_ch, blocks) in enumerate(model["stages"]):
+        x = conv2d(x, t[f"stages.{i}.conv.weight"], t[f"stages.{i}.conv.bias"], 1, 1)
+        x = maxpool(relu(x) if mutant == "relu_before_pool" else x, 0 if mutant == "pool_unpadded" else 1)
+        for j in range(blocks):
+            b = f"stages.{i}.blocks.{j}"
+            y = conv2d(relu(x), t[f"{b}.conv0.weight"], t[f"{b}.conv0.bias"], 1, 1)
+            y = conv2d(relu(y), t[f"{b}.conv1.weight"], t[f"{b}.conv1.bias"], 1, 1)
+            x = y if mutant == "no_skip" else x + y
+    x = relu(linear(relu(x).reshape(n, -1), t, "fc.0"))
+    return heads(model, t, x, x, mutant, state)
 
 
 # ---------------------------------------------------------------------------------- the torch side
@@ -112,10 +184,16 @@ CASES = {
     "conv-atari": _conv((4, 84, 84), 6),
     "conv-small-image": _conv((3, 44, 52), 4),  # 64 x 2 x 3 after the convolutions
     "conv-padded-elu": _conv((2, 11, 9), 3, {"kind": "conv", "input_scale": 1 / 255, "conv_layers": [
-        [8, 3, 1, 1], [16, 3, 2, 1]], "fc_size": 32, "activation": "elu"}),
+        [8, 3, 1, 1], [16, 3, 2, 1]], "fc_size": 32, "activation": "elu", "lstm_size": 0}),
+    "conv-minatar": _conv((4, 10, 10), 3, MINATAR),
+    "conv-minatar-lstm": _conv((6, 10, 10), 5, {**MINATAR, "lstm_size": 24}),
+    "deep-atari": _conv((4, 84, 84), 6, DEEP),
+    "deep-small-lstm": _conv((3, 13, 10), 4, {**DEEP, "stages": [[8, 1], [12, 2]], "fc_size": 32, "lstm_size": 16}),
 }
 MUTANTS = {"mlp": ("no_last_activation", "shared_torso"),
-           "conv": ("no_last_activation", "flatten_hwc", "flipped_kernel", "no_input_scale")}
+           "conv": ("no_last_activation", "flatten_hwc", "flipped_kernel", "no_input_scale"),
+           "deep": ("relu_before_pool", "pool_unpadded", "no_skip")}
+LSTM_MUTANTS = ("gate_order",)
 
 
 def _published(name: str, seed: int = 0):
@@ -136,17 +214,23 @@ def _published(name: str, seed: int = 0):
     return spec, net.eval(), wire.decode_weights(buf, MAX_BYTES)
 
 
-def _inputs(spec: TrajectorySpec, seed: int) -> np.ndarray:
+def _inputs(spec: TrajectorySpec, seed: int, model: dict | None = None) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if spec.obs_dtype == "uint8":
-        obs = rng.integers(0, 256, (4, *spec.obs_shape), dtype=np.uint8)
-        obs[0], obs[1] = 0, 255
+        high = 1 if model is not None and model.get("input_scale") == 1.0 else 255  # MinAtar's 0/1 planes
+        obs = rng.integers(0, high + 1, (4, *spec.obs_shape), dtype=np.uint8)
+        obs[0], obs[1] = 0, high
         return obs
     return (rng.standard_normal((8, *spec.obs_shape)) * 2).astype(F32)
 
 
-def _torch(net, obs):
+def _torch(net, obs, state=None):
+    """(logits, values), and for a recurrent network the next state (h, c), from ``state`` (zeros when None)."""
     with torch.inference_mode():
+        if net.recurrent:
+            st = net.initial_state(len(obs)) if state is None else tuple(torch.from_numpy(x) for x in state)
+            logits, values, (h, c) = net.step(torch.from_numpy(obs), st)
+            return logits.numpy(), values.numpy(), (h.numpy(), c.numpy())
         logits, values = net(torch.from_numpy(obs))
     return logits.numpy(), values.numpy()
 
@@ -161,25 +245,38 @@ def test_numpy_forward_from_doc_matches_torch(name):
     model, tensors = msg.run_info["model"], msg.tensors
     assert {k: v.shape for k, v in tensors.items()} == expected_shapes(model, spec.obs_shape, spec.num_actions)
     assert all(v.dtype == F32 for v in tensors.values())
+    state = None  # a recurrent network: three steps, the state carried from one to the next as the page says
     for seed in range(3):
-        obs = _inputs(spec, seed)
-        want_logits, want_values = _torch(net, obs)
+        obs = _inputs(spec, seed, model)
+        want = _torch(net, obs, state)
+        want_logits, want_values = want[:2]
         assert np.abs(want_logits).max() > 0.1 and np.abs(want_values).max() > 0.1, "outputs too small to test"
-        logits, values = forward(model, tensors, obs)
+        got = forward(model, tensors, obs, state=state)
+        logits, values = got[:2]
         assert logits.dtype == F32 and values.dtype == F32
         assert logits.shape == (len(obs), spec.num_actions) and values.shape == (len(obs),)
         np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(values, want_values, rtol=1e-5, atol=1e-5)
+        assert len(got) == len(want) == (3 if model.get("lstm_size") else 2)
+        if len(got) == 3:
+            for a, b in zip(got[2], want[2], strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+            state = want[2]
 
 
 @pytest.mark.parametrize("name,mutant", [(name, m) for name, (spec, cfg) in CASES.items()
-                                         for m in MUTANTS[cfg.resolved(spec).kind]])
+                                         for m in MUTANTS[cfg.resolved(spec).kind]
+                                         + (LSTM_MUTANTS if cfg.resolved(spec).lstm_size else ())
+                                         if not (m == "no_input_scale" and cfg.resolved(spec).input_scale == 1)])
 def test_the_check_can_fail(name, mutant):
     """A misreading of the page gives other logits or values: the match above is not vacuous."""
     spec, net, msg = _published(name)
-    obs = _inputs(spec, 0)
-    want_logits, want_values = _torch(net, obs)
-    logits, values = forward(msg.run_info["model"], msg.tensors, obs, mutant=mutant)
+    obs = _inputs(spec, 0, msg.run_info["model"])
+    want_logits, want_values = _torch(net, obs)[:2]
+    try:
+        logits, values = forward(msg.run_info["model"], msg.tensors, obs, mutant=mutant)[:2]
+    except ValueError:  # the misreading does not even fit the tensors' shapes: noticed
+        return
     assert not (_close(logits, want_logits) and _close(values, want_values)), f"{mutant} went unnoticed"
 
 
@@ -203,12 +300,16 @@ def test_from_dict_rebuilds_the_same_network(name):
     rebuilt = build_model(spec, ModelConfig.from_dict(msg.run_info["model"])).eval()
     rebuilt.load_state_dict({k: torch.from_numpy(v) for k, v in msg.tensors.items()})  # strict: same names, shapes
     obs = _inputs(spec, 1)
-    for a, b in zip(_torch(rebuilt, obs), _torch(net, obs), strict=True):
+    for a, b in zip(_torch(rebuilt, obs)[:2], _torch(net, obs)[:2], strict=True):
         np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("model,match", [
     ({"kind": "lstm", "hidden_sizes": [64]}, "unknown model kind 'lstm'"),
+    ({**DEEP, "stages": [[16, 2, 1]]}, "channels, residual blocks"),
+    ({**DEEP, "conv_layers": [[16, 3, 1, 0]]}, "unknown key"),
+    ({**NATURE, "lstm_size": -1}, "lstm_size"),
+    ({k: v for k, v in NATURE.items() if k != "lstm_size"}, "missing lstm_size"),
     ({"kind": "auto", "hidden_sizes": [64], "activation": "tanh"}, "unknown model kind 'auto'"),
     ({"hidden_sizes": [64], "activation": "tanh"}, "unknown model kind None"),
     ({"kind": "conv", "hidden_sizes": [64, 64], "activation": "tanh"}, "missing.*unknown key.*'hidden_sizes'"),
@@ -234,6 +335,9 @@ def test_a_concrete_kind_takes_only_its_own_fields():
         ModelConfig(kind="mlp", fc_size=256)
     with pytest.raises(ValueError, match="does not use hidden_sizes, activation"):
         ModelConfig(kind="conv", hidden_sizes=(8,), activation="elu")
+    with pytest.raises(ValueError, match="LSTM core needs an image network"):
+        ModelConfig(kind="mlp", lstm_size=8)
     spec = TrajectorySpec(obs_shape=(1, 6, 6), obs_dtype="uint8", num_actions=2, unroll_length=4)
     with pytest.raises(ValueError, match="too small"):
-        build_model(spec, ModelConfig())
+        build_model(spec, ModelConfig("conv"))  # the Nature network's 8x8 stride 4 cannot take 6x6
+    assert ModelConfig().resolved(spec) == ModelConfig.minatar(input_scale=1 / 255)  # auto: small images

@@ -21,7 +21,7 @@ import zmq
 from ..core import frames, wire
 from ..core.models import ModelConfig, build_model
 from ..core.spec import TrajectorySpec
-from .envs import make_env
+from .envs import make_env, set_difficulty
 
 log = logging.getLogger("impala_async.actors.actor")
 
@@ -118,10 +118,15 @@ class Policy:
             log.info("the learner restarted (new incarnation): now at policy version %d", msg.version)
         self.version, self.incarnation = msg.version, msg.incarnation
 
+    def initial_state(self, batch_size: int) -> tuple:
+        """The recurrent state of ``batch_size`` environments at the start of their episodes (``()`` without a core)."""
+        return self.model.initial_state(batch_size)
+
     @torch.inference_mode()
-    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        logits, values = self.model(torch.from_numpy(obs))
-        return logits.numpy(), values.numpy()
+    def step(self, obs: np.ndarray, state: tuple) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """``obs [B, *obs_shape]``, ``state`` -> ``(logits [B, A], values [B], next state)``."""
+        logits, values, state = self.model.step(torch.from_numpy(obs), state)
+        return logits.numpy(), values.numpy(), state
 
 
 def _receive_weights(sub: zmq.Socket, max_bytes: int, timeout_ms: int,
@@ -197,6 +202,8 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
     seeds = np.random.SeedSequence([cfg.seed, cfg.index]).generate_state(K + 1)
     rng = np.random.default_rng(seeds[K])
     envs = [make_env(run_info["env_id"], **run_info.get("env_kwargs", {})) for _ in range(K)]
+    difficulty = first.difficulty  # the curriculum's value (None: none); an environment takes a new one at its reset
+    applied = [set_difficulty(env, difficulty) for env in envs]
     obs = np.stack([env.reset(seed=int(seeds[k]))[0] for k, env in enumerate(envs)]).astype(spec.obs_dtype)
     buf = {f.name: np.zeros((K, *f.shape), f.dtype) for f in spec.fields}
     # Observations [K, T+1, *obs_shape]; with frame_stack they are packed into buf["frames"] before sending.
@@ -204,17 +211,20 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
     ep_return, ep_length = np.zeros(K), np.zeros(K, np.int64)
     episodes: list[tuple[float, int]] = []
     seq = 0
+    state = policy.initial_state(K)  # carried across unrolls; reset where an episode begins
     log.info("actor %d (%s): %d x %s, policy version %d", cfg.index, actor_id, K, run_info["env_id"], policy.version)
     while not stop.requested:
         obs_buf[:, 0] = obs
         buf["truncation_value"][:] = 0.0
+        if spec.core_state_size:  # the state the core processes obs[0] with
+            buf["core_state"][:, 0], buf["core_state"][:, 1] = state[0].numpy(), state[1].numpy()
         for t in range(T):
-            logits, _ = policy(obs)
+            logits, _, next_state = policy.step(obs, state)
             actions = np.argmax(logits - np.log(-np.log(rng.random(logits.shape))), axis=1)  # Gumbel-max sample
             buf["behaviour_logits"][:, t] = logits
             buf["action"][:, t] = actions
             beat()
-            cut = []
+            cut, ended = [], []
             for k, env in enumerate(envs):
                 o, r, terminated, truncated, _ = env.step(int(actions[k]))
                 ep_return[k] += r
@@ -223,16 +233,26 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
                 buf["terminated"][k, t] = terminated
                 buf["truncated"][k, t] = truncated and not terminated
                 if terminated or truncated:
+                    ended.append(k)
                     if not terminated:
                         cut.append((k, o))
                     episodes.append((float(ep_return[k]), int(ep_length[k])))
                     ep_return[k], ep_length[k] = 0.0, 0
+                    if applied[k] != difficulty:
+                        applied[k] = set_difficulty(env, difficulty)
                     o, _ = env.reset()
                 obs[k] = o
-            if cut:  # bootstrap value of the final observations that a time limit cut off
-                _, v = policy(np.stack([o for _, o in cut]).astype(spec.obs_dtype))
+            if cut:  # bootstrap value of the final observations that a time limit cut off (their episodes' state)
+                rows = [k for k, _ in cut]
+                _, v, _ = policy.step(np.stack([o for _, o in cut]).astype(spec.obs_dtype),
+                                      tuple(x[rows] for x in next_state))
                 for (k, _), value in zip(cut, v, strict=True):
                     buf["truncation_value"][k, t] = value
+            if next_state and ended:  # the next observation begins an episode: the core starts from zeros
+                keep = torch.ones(K, 1)
+                keep[ended] = 0.0
+                next_state = tuple(x * keep for x in next_state)
+            state = next_state
             obs_buf[:, t + 1] = obs
         if spec.frame_stack:
             try:
@@ -253,6 +273,7 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
         newer = _receive_weights(sub, cfg.max_weights_bytes, 0, have=(policy.version, policy.incarnation))
         if newer is not None:
             policy.load(newer)
+            difficulty = difficulty if newer.difficulty is None else newer.difficulty
     for env in envs:
         env.close()
     return 0

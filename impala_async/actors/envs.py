@@ -3,15 +3,16 @@
 ``make_env(env_id)`` is what learner and actors both call. Atari ids (``ALE/Pong-v5``, ``PongNoFrameskip-v4``) get
 the standard DeepMind preprocessing: 4 emulator frames per step (max over the last two), up to 30 no-op starts,
 84x84 greyscale, 4 frames stacked into uint8 ``[4, 84, 84]``; they need ``pip install "impala-async[atari]"``.
-Any other id goes to ``gym.make`` as it is.
+MinAtar ids (``MinAtar/Breakout-v1``, ...) give uint8 planes ``[C, 10, 10]`` (:mod:`impala_async.actors.minatar`;
+``pip install "impala-async[minatar]"``). Any other id goes to ``gym.make`` as it is.
 
 The Pong-like environment serves the image path without ALE.
 
-``gym.make("impala_async.actors.envs:PongLike-v0")`` imports this module and registers the environment. Observations are 4
-stacked 84x84 greyscale frames (uint8 ``[4, 84, 84]``), the shape of Atari after the usual preprocessing; 6 actions
-as in ALE Pong (NOOP, FIRE, UP, DOWN, UPFIRE, DOWNFIRE). The agent moves the right paddle; a scripted opponent with a
-speed limit moves the left one. A point is +1 when the ball passes the opponent, -1 when it passes the agent; a game
-ends at ``points_to_win`` points for either side.
+``gym.make("impala_async.actors.envs:PongLike-v0")`` imports this module and registers the environment.
+Observations are 4 stacked 84x84 greyscale frames (uint8 ``[4, 84, 84]``), the shape of Atari after the usual
+preprocessing; 6 actions as in ALE Pong (NOOP, FIRE, UP, DOWN, UPFIRE, DOWNFIRE). The agent moves the right paddle;
+a scripted opponent with a speed limit moves the left one. A point is +1 when the ball passes the opponent, -1 when
+it passes the agent; a game ends at ``points_to_win`` points for either side.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+
+from .minatar import is_minatar, make_minatar
 
 ATARI_FRAME_SKIP, ATARI_NOOP_MAX, ATARI_STACK = 4, 30, 4
 
@@ -28,7 +31,9 @@ def is_atari(env_id: str) -> bool:
 
 
 def make_env(env_id: str, **kwargs) -> gym.Env:
-    """One environment; Atari ids wrapped as the module docstring says."""
+    """One environment; Atari ids wrapped as the module docstring says, MinAtar ids as :mod:`.minatar` says."""
+    if is_minatar(env_id):
+        return make_minatar(env_id, **kwargs)
     if not is_atari(env_id):
         return gym.make(env_id, **kwargs)
     try:
@@ -172,5 +177,41 @@ class ImageBandit(gym.Env):
         return self._observe(), reward, True, False, {}
 
 
+def set_difficulty(env: gym.Env, value: float | None) -> float | None:
+    """The curriculum's one hook (learner/curriculum.py, docs/protocol.md): calls
+    ``env.unwrapped.set_difficulty(value)`` if the environment has that method; nothing for None (no curriculum) or an
+    environment without it. The actor calls it just before an environment's reset whenever the learner's value has
+    changed, so an episode runs at one difficulty. Returns ``value``."""
+    hook = getattr(env.unwrapped, "set_difficulty", None)
+    if value is not None and hook is not None:
+        hook(float(value))
+    return value
+
+
+class DifficultyProbe(gym.Env):
+    """A diagnostic for the curriculum: one-step episodes whose reward is the difficulty in force (the last value
+    ``set_difficulty`` gave before the episode's reset; 0 if never set). The observation is that difficulty too;
+    actions do nothing. ``episode_return_mean`` in metrics.jsonl then shows what the environments were set to."""
+
+    metadata = {"render_modes": []}
+
+    def __init__(self):
+        self.observation_space = spaces.Box(-np.inf, np.inf, (1,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._next = self.difficulty = 0.0
+
+    def set_difficulty(self, value: float) -> None:
+        self._next = float(value)  # takes effect at the next reset: an episode runs at one difficulty
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.difficulty = self._next
+        return np.array([self.difficulty], np.float32), {}
+
+    def step(self, action):
+        return np.array([self.difficulty], np.float32), self.difficulty, True, False, {}
+
+
 gym.register(id="PongLike-v0", entry_point=PongLike)
 gym.register(id="ImageBandit-v0", entry_point=ImageBandit)
+gym.register(id="DifficultyProbe-v0", entry_point=DifficultyProbe)

@@ -1,31 +1,37 @@
-"""Actor-critic networks: policy logits and a state-value baseline.
+"""Which actor-critic network to build: :class:`ModelConfig` (the ``model`` entry of the run info the learner
+publishes with its weights, :meth:`ModelConfig.to_dict`) and :func:`build_model`. The modules themselves, and the calls
+they answer (``forward``, ``step``, ``unroll``), are in :mod:`impala_async.core.nets`.
 
-Pure torch. ``forward(obs)`` takes a flat batch ``[N, *obs_shape]`` and returns ``(logits [N, A], values [N])``;
-callers fold time and batch dimensions into ``N``. Actors build the same network from the ``model`` entry of the
-run info the learner publishes with its weights (:meth:`ModelConfig.to_dict`). That entry describes the network
-completely; docs/protocol.md, "The network", says how to compute logits and value from it and the weights alone, and
-tests/test_network_doc.py checks that page against these modules.
+Actors build the same network from ``run.model``. That entry describes the network completely; docs/protocol.md, "The
+network", says how to compute logits and value from it and the weights alone, and tests/test_network_doc.py checks
+that page against these modules.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
-import torch
 from torch import nn
 
+from .nets import ACTIVATIONS, ConvActorCritic, MLPActorCritic, ResNetActorCritic
 from .spec import TrajectorySpec
 
-ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
 NATURE_CONV_LAYERS = ((32, 8, 4, 0), (64, 4, 2, 0), (64, 3, 1, 0))  # (out_channels, kernel, stride, padding)
+MINATAR_CONV_LAYERS = ((16, 3, 1, 0),)  # Young & Tian 2019: one 3x3 convolution of 16 channels, then 128 units
+MINATAR_FC_SIZE = 128
+SMALL_IMAGE_PIXELS = 16  # "auto" picks the MinAtar network for images at most this high and wide
+IMPALA_STAGES = ((16, 2), (32, 2), (32, 2))  # (channels, residual blocks) per stage of the IMPALA deep network
+IMPALA_FC_SIZE = 256
 # The keys of run.model per kind, closed: an actor refuses a kind or a key it does not know.
 MODEL_KEYS = {"mlp": ("kind", "hidden_sizes", "activation"),
-              "conv": ("kind", "input_scale", "conv_layers", "fc_size", "activation")}
+              "conv": ("kind", "input_scale", "conv_layers", "fc_size", "activation", "lstm_size"),
+              "deep": ("kind", "input_scale", "stages", "fc_size", "lstm_size")}
 # The ModelConfig fields each kind uses; a concrete kind leaves the others at their defaults.
 _KIND_FIELDS = {"mlp": ("hidden_sizes", "activation"),
-                "conv": ("conv_layers", "fc_size", "conv_activation", "input_scale")}
+                "conv": ("conv_layers", "fc_size", "conv_activation", "input_scale", "lstm_size"),
+                "deep": ("stages", "fc_size", "input_scale", "lstm_size")}
 
 
 def _index(value, what: str, minimum: int) -> int:
@@ -45,23 +51,27 @@ class ModelConfig:
     """Which network to build.
 
     ``kind`` "mlp" (vector observations) uses ``hidden_sizes`` and ``activation``; "conv" (images ``[C, H, W]``) uses
-    ``conv_layers`` (``(out_channels, kernel, stride, padding)`` per layer), ``fc_size``, ``conv_activation`` and
-    ``input_scale``; "auto" carries both sets and :meth:`resolved` keeps the one the observations call for. A concrete
+    ``conv_layers`` (``(out_channels, kernel, stride, padding)`` per layer), ``fc_size``, ``conv_activation``,
+    ``input_scale`` and ``lstm_size``; "deep" (the IMPALA ResNet) uses ``stages`` (``(channels, residual blocks)``
+    per stage), ``fc_size``, ``input_scale`` and ``lstm_size``; "auto" carries them all and :meth:`resolved` keeps
+    what the observations call for. ``lstm_size`` > 0 adds an LSTM core of that many units after the torso. A concrete
     kind's unused fields must stay at their defaults, so two configs are equal exactly when they build the same
     network, and ``from_dict(to_dict(c)) == c``.
     """
 
-    kind: str = "auto"  # "mlp", "conv", or "auto": conv for uint8 [C, H, W] observations, else mlp
+    kind: str = "auto"  # "mlp", "conv", "deep", or "auto": conv for uint8 [C, H, W] observations, else mlp
     hidden_sizes: tuple[int, ...] = (64, 64)  # MLP layers, one torso for the policy and one for the baseline
     activation: str = "tanh"  # the MLP's (the learner's --activation); the conv net's is conv_activation
     conv_layers: tuple[tuple[int, int, int, int], ...] = NATURE_CONV_LAYERS
-    fc_size: int = 512  # width of the conv net's fully connected layer after the convolutions
+    fc_size: int = 512  # width of the fully connected layer after the convolutions
     conv_activation: str = "relu"
-    input_scale: float = 1 / 255  # the conv net multiplies its float32 input by this (uint8 pixels to [0, 1])
+    input_scale: float = 1 / 255  # image networks multiply their float32 input by this (uint8 pixels to [0, 1])
+    stages: tuple[tuple[int, int], ...] = IMPALA_STAGES
+    lstm_size: int = 0  # units of the LSTM core after the torso (0: none); image networks only
 
     def __post_init__(self):
         if self.kind not in ("auto", *MODEL_KEYS):
-            raise ValueError(f"model kind must be auto, mlp or conv, got {self.kind!r}")
+            raise ValueError(f"model kind must be auto, {', '.join(MODEL_KEYS)}, got {self.kind!r}")
         hidden = tuple(_index(h, "hidden_sizes", 1) for h in _int_seq(self.hidden_sizes, "hidden_sizes"))
         if not hidden:
             raise ValueError(f"hidden_sizes must be positive integers, got {self.hidden_sizes}")
@@ -74,9 +84,19 @@ class ModelConfig:
                                 zip(layer, ("out_channels", "kernel", "stride", "padding"), (1, 1, 1, 0), strict=True)))
         if not layers:
             raise ValueError("conv_layers must name at least one layer")
+        stages = []
+        for stage in _int_seq(self.stages, "stages"):
+            stage = _int_seq(stage, "a stage")
+            if len(stage) != 2:
+                raise ValueError(f"a stage is [channels, residual blocks], got {list(stage)}")
+            stages.append((_index(stage[0], "stage channels", 1), _index(stage[1], "stage residual blocks", 0)))
+        if not stages:
+            raise ValueError("stages must name at least one stage")
         object.__setattr__(self, "hidden_sizes", hidden)
         object.__setattr__(self, "conv_layers", tuple(layers))
+        object.__setattr__(self, "stages", tuple(stages))
         _index(self.fc_size, "fc_size", 1)
+        _index(self.lstm_size, "lstm_size", 0)
         for name in ("activation", "conv_activation"):
             if getattr(self, name) not in ACTIVATIONS:
                 raise ValueError(f"{name} must be one of {sorted(ACTIVATIONS)}, got {getattr(self, name)!r}")
@@ -88,15 +108,34 @@ class ModelConfig:
             unused = [f.name for f in fields(self) if f.name != "kind" and f.name not in _KIND_FIELDS[self.kind]
                       and getattr(self, f.name) != f.default]
             if unused:
-                raise ValueError(f"a {self.kind} model does not use {', '.join(unused)}")
+                raise ValueError(f"a {self.kind} model does not use {', '.join(unused)}"
+                                 + (" (an LSTM core needs an image network)" if "lstm_size" in unused else ""))
+
+    @classmethod
+    def deep(cls, input_scale: float = 1 / 255, lstm_size: int = 0) -> ModelConfig:
+        """The IMPALA paper's deep network: stages (16, 2), (32, 2), (32, 2) and a fully connected layer of 256."""
+        return cls("deep", stages=IMPALA_STAGES, fc_size=IMPALA_FC_SIZE, input_scale=input_scale, lstm_size=lstm_size)
+
+    @classmethod
+    def minatar(cls, input_scale: float = 1.0, lstm_size: int = 0) -> ModelConfig:
+        """The MinAtar paper's network: one 3x3 convolution of 16 channels, a fully connected layer of 128."""
+        return cls("conv", conv_layers=MINATAR_CONV_LAYERS, fc_size=MINATAR_FC_SIZE, input_scale=input_scale,
+                   lstm_size=lstm_size)
 
     def resolved(self, spec: TrajectorySpec) -> ModelConfig:
         """The concrete config for ``spec``: ``self`` unless kind is "auto", which becomes "conv" for uint8
-        ``[C, H, W]`` observations and "mlp" otherwise (the other kind's fields back at their defaults)."""
+        ``[C, H, W]`` observations (the MinAtar network for images of at most 16x16, the Nature one otherwise) and
+        "mlp" otherwise (the other kinds' fields back at their defaults)."""
         if self.kind != "auto":
             return self
-        kind = "conv" if spec.obs_dtype == "uint8" and len(spec.obs_shape) == 3 else "mlp"
-        return ModelConfig(kind, **{name: getattr(self, name) for name in _KIND_FIELDS[kind]})
+        if spec.obs_dtype == "uint8" and len(spec.obs_shape) == 3:
+            if max(spec.obs_shape[1:]) <= SMALL_IMAGE_PIXELS:
+                return ModelConfig.minatar(self.input_scale, self.lstm_size)
+            return ModelConfig("conv", input_scale=self.input_scale, lstm_size=self.lstm_size)
+        if self.lstm_size:
+            raise ValueError("an LSTM core needs an image network (uint8 [C, H, W] observations); these are "
+                             f"{spec.obs_dtype} {list(spec.obs_shape)}")
+        return ModelConfig("mlp", hidden_sizes=self.hidden_sizes, activation=self.activation)
 
     def to_dict(self) -> dict:
         """``run.model``: the network, completely, with exactly the keys in ``MODEL_KEYS[kind]``. Raises ValueError
@@ -106,7 +145,10 @@ class ModelConfig:
         if self.kind == "conv":
             return {"kind": "conv", "input_scale": self.input_scale,
                     "conv_layers": [list(layer) for layer in self.conv_layers], "fc_size": self.fc_size,
-                    "activation": self.conv_activation}
+                    "activation": self.conv_activation, "lstm_size": self.lstm_size}
+        if self.kind == "deep":
+            return {"kind": "deep", "input_scale": self.input_scale, "stages": [list(s) for s in self.stages],
+                    "fc_size": self.fc_size, "lstm_size": self.lstm_size}
         raise ValueError("a model config of kind auto describes no network yet: resolve it against a spec first")
 
     @classmethod
@@ -128,10 +170,16 @@ class ModelConfig:
             if kind == "mlp":
                 return cls("mlp", hidden_sizes=_int_seq(d["hidden_sizes"], "hidden_sizes"),
                            activation=d["activation"])
+            if kind == "deep":
+                return cls("deep", stages=_int_seq(d["stages"], "stages"), fc_size=d["fc_size"],
+                           input_scale=d["input_scale"], lstm_size=d["lstm_size"])
             return cls("conv", conv_layers=_int_seq(d["conv_layers"], "conv_layers"), fc_size=d["fc_size"],
-                       conv_activation=d["activation"], input_scale=d["input_scale"])
+                       conv_activation=d["activation"], input_scale=d["input_scale"], lstm_size=d["lstm_size"])
         except (TypeError, ValueError) as e:
             raise ValueError(f"run.model of kind {kind}: {e}") from None
+
+    def with_lstm(self, lstm_size: int) -> ModelConfig:
+        return replace(self, lstm_size=lstm_size)
 
 
 def conv_output_shape(obs_shape, conv_layers) -> tuple[int, int, int]:
@@ -146,75 +194,26 @@ def conv_output_shape(obs_shape, conv_layers) -> tuple[int, int, int]:
     return c, h, w
 
 
-def _init(layer: nn.Linear | nn.Conv2d, gain: float):
-    nn.init.orthogonal_(layer.weight, gain)
-    nn.init.zeros_(layer.bias)
-    return layer
-
-
-def _mlp(sizes, activation) -> nn.Sequential:
-    """Linear, activation, Linear, activation, ...: the activation follows every layer, the last one included."""
-    layers = []
-    for n_in, n_out in zip(sizes[:-1], sizes[1:], strict=True):
-        layers += [_init(nn.Linear(n_in, n_out), math.sqrt(2)), ACTIVATIONS[activation]()]
-    return nn.Sequential(*layers)
-
-
-class MLPActorCritic(nn.Module):
-    """Separate MLP torsos for policy and baseline (a shared torso lets the baseline loss disturb the policy).
-
-    ``policy_torso``/``value_torso``: ``[N, D] -> [N, hidden_sizes[-1]]`` (``D = prod(obs_shape)``);
-    ``policy_head``: ``-> [N, A]``; ``value_head``: ``-> [N, 1]``, squeezed to ``[N]``.
-    """
-
-    def __init__(self, obs_dim: int, num_actions: int, hidden_sizes=(64, 64), activation="tanh"):
-        super().__init__()
-        sizes = (obs_dim, *hidden_sizes)
-        self.policy_torso = _mlp(sizes, activation)
-        self.value_torso = _mlp(sizes, activation)
-        self.policy_head = _init(nn.Linear(hidden_sizes[-1], num_actions), 0.01)
-        self.value_head = _init(nn.Linear(hidden_sizes[-1], 1), 1.0)
-
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``obs [N, *obs_shape]`` (any dtype; converted to float32, not scaled) -> ``(logits [N, A], values [N])``."""
-        x = obs.float().flatten(1)
-        return self.policy_head(self.policy_torso(x)), self.value_head(self.value_torso(x)).squeeze(-1)
-
-
-class ConvActorCritic(nn.Module):
-    """A convolutional torso shared by both heads; by default the Nature-DQN one on uint8 frames ``[N, 4, 84, 84]``.
-
-    ``torso``: ``[N, C, H, W]`` -> per layer ``Conv2d`` then activation -> flattened ``[N, C' * H' * W']``
-    (``conv_output_shape``; ``[N, 64 * 7 * 7]`` for Atari); ``fc``: ``Linear`` then activation ``-> [N, fc_size]``;
-    ``policy_head``: ``-> [N, A]``; ``value_head``: ``-> [N, 1]``, squeezed to ``[N]``.
-    """
-
-    def __init__(self, obs_shape, num_actions: int, fc_size: int = 512, conv_layers=NATURE_CONV_LAYERS,
-                 activation: str = "relu", input_scale: float = 1 / 255):
-        super().__init__()
-        self.input_scale = float(input_scale)
-        n_flat = math.prod(conv_output_shape(obs_shape, conv_layers))
-        layers, c = [], obs_shape[0]
-        for out, k, s, p in conv_layers:
-            layers += [_init(nn.Conv2d(c, out, k, stride=s, padding=p), math.sqrt(2)), ACTIVATIONS[activation]()]
-            c = out
-        self.torso = nn.Sequential(*layers, nn.Flatten())
-        self.fc = nn.Sequential(_init(nn.Linear(n_flat, fc_size), math.sqrt(2)), ACTIVATIONS[activation]())
-        self.policy_head = _init(nn.Linear(fc_size, num_actions), 0.01)
-        self.value_head = _init(nn.Linear(fc_size, 1), 1.0)
-
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``obs [N, C, H, W]`` (uint8 pixels) -> float32 times ``input_scale`` -> ``(logits [N, A], values [N])``."""
-        x = self.fc(self.torso(obs.float() * self.input_scale))
-        return self.policy_head(x), self.value_head(x).squeeze(-1)
+def resnet_output_shape(obs_shape, stages) -> tuple[int, int, int]:
+    """``(C, H, W)`` after the deep network's stages: each keeps H and W through its 3x3 convolution (padding 1) and
+    halves them, rounding up, in its max-pool (3x3, stride 2, padding 1): ``H' = floor((H - 1) / 2) + 1``."""
+    c, h, w = obs_shape
+    for channels, _ in stages:
+        c, h, w = channels, (h - 1) // 2 + 1, (w - 1) // 2 + 1
+    return c, h, w
 
 
 def build_model(spec: TrajectorySpec, cfg: ModelConfig) -> nn.Module:
-    """The network ``cfg`` (resolved against ``spec``) describes, for ``spec``'s observations and actions."""
+    """The network ``cfg`` (resolved against ``spec``) describes, for ``spec``'s observations and actions (see
+    :mod:`impala_async.core.nets` for what it computes and the calls it answers)."""
     cfg = cfg.resolved(spec)
+    if cfg.kind in ("conv", "deep") and len(spec.obs_shape) != 3:
+        raise ValueError(f"a {cfg.kind} model needs [C, H, W] observations, got {spec.obs_shape}")
     if cfg.kind == "conv":
-        if len(spec.obs_shape) != 3:
-            raise ValueError(f"conv model needs [C, H, W] observations, got {spec.obs_shape}")
         return ConvActorCritic(spec.obs_shape, spec.num_actions, cfg.fc_size, cfg.conv_layers, cfg.conv_activation,
-                               cfg.input_scale)
+                               cfg.input_scale, cfg.lstm_size,
+                               flat_size=math.prod(conv_output_shape(spec.obs_shape, cfg.conv_layers)))
+    if cfg.kind == "deep":
+        return ResNetActorCritic(spec.obs_shape, spec.num_actions, cfg.stages, cfg.fc_size, cfg.input_scale,
+                                 cfg.lstm_size, flat_size=math.prod(resnet_output_shape(spec.obs_shape, cfg.stages)))
     return MLPActorCritic(math.prod(spec.obs_shape), spec.num_actions, cfg.hidden_sizes, cfg.activation)

@@ -55,6 +55,9 @@ class TrajectorySpec:
     With ``frame_stack = S`` (uint8 observations ``[S, H, W]`` that stack consecutive frames), ``obs`` is replaced by
         frames            [T+S, H, W]        uint8       the first stack, then each later observation's newest frame
     from which :func:`impala_async.core.frames.unstack` rebuilds ``obs``.
+
+    With ``core_state_size = H`` (a network with an LSTM core of H units) one more field:
+        core_state        [2, H]             float32     (h, c) the core processed x_0 with (after any reset)
     """
 
     obs_shape: tuple[int, ...]
@@ -62,6 +65,7 @@ class TrajectorySpec:
     num_actions: int
     unroll_length: int
     frame_stack: int = 0
+    core_state_size: int = 0
 
     def __post_init__(self):
         if self.obs_dtype not in OBS_DTYPES:
@@ -72,6 +76,8 @@ class TrajectorySpec:
             raise ValueError(f"unroll_length must be >= 1, got {self.unroll_length}")
         if any(d < 1 for d in self.obs_shape):
             raise ValueError(f"obs_shape must have positive dimensions, got {self.obs_shape}")
+        if self.core_state_size < 0:
+            raise ValueError(f"core_state_size must be >= 0, got {self.core_state_size}")
         if self.frame_stack and not (self.frame_stack >= 2 and self.obs_dtype == "uint8" and len(self.obs_shape) == 3
                                      and self.obs_shape[0] == self.frame_stack):
             raise ValueError(f"frame_stack={self.frame_stack} needs uint8 observations [frame_stack, H, W] with "
@@ -93,7 +99,8 @@ class TrajectorySpec:
             FieldSpec("truncated", np.dtype("u1"), (T,), CHECK_FLAG),
             FieldSpec("truncation_value", np.dtype("<f4"), (T,), CHECK_FINITE),
             FieldSpec("behaviour_logits", np.dtype("<f4"), (T, A), CHECK_FINITE),
-        )
+        ) + ((FieldSpec("core_state", np.dtype("<f4"), (2, self.core_state_size), CHECK_FINITE),)
+             if self.core_state_size else ())
 
     @cached_property
     def field_map(self) -> dict[str, FieldSpec]:
@@ -105,16 +112,18 @@ class TrajectorySpec:
 
     def to_dict(self) -> dict:
         return {"obs_shape": list(self.obs_shape), "obs_dtype": self.obs_dtype,
-                "num_actions": self.num_actions, "unroll_length": self.unroll_length, "frame_stack": self.frame_stack}
+                "num_actions": self.num_actions, "unroll_length": self.unroll_length, "frame_stack": self.frame_stack,
+                "core_state_size": self.core_state_size}
 
     @classmethod
     def from_dict(cls, d: dict) -> TrajectorySpec:
         return cls(obs_shape=tuple(int(x) for x in d["obs_shape"]), obs_dtype=str(d["obs_dtype"]),
                    num_actions=int(d["num_actions"]), unroll_length=int(d["unroll_length"]),
-                   frame_stack=int(d.get("frame_stack", 0)))
+                   frame_stack=int(d.get("frame_stack", 0)), core_state_size=int(d.get("core_state_size", 0)))
 
     @classmethod
-    def from_spaces(cls, observation_space, action_space, unroll_length: int, frame_stack: int = 0) -> TrajectorySpec:
+    def from_spaces(cls, observation_space, action_space, unroll_length: int, frame_stack: int = 0,
+                    core_state_size: int = 0) -> TrajectorySpec:
         """From gymnasium spaces: a Box observation (float or uint8) and a Discrete action space."""
         n = getattr(action_space, "n", None)
         if n is None:
@@ -122,4 +131,4 @@ class TrajectorySpec:
         dtype = np.dtype(observation_space.dtype)
         obs_dtype = "uint8" if dtype == np.uint8 else "float32"
         return cls(obs_shape=tuple(observation_space.shape), obs_dtype=obs_dtype, num_actions=int(n),
-                   unroll_length=unroll_length, frame_stack=frame_stack)
+                   unroll_length=unroll_length, frame_stack=frame_stack, core_state_size=core_state_size)

@@ -279,8 +279,10 @@ class TrajectoryDecoder:
     def _read_fields(self, r: mpack.Reader, key: bytes = b"fields") -> dict:
         count = r.map_header()
         if count != len(self._expected):
+            hint = (f" (this learner's network has an LSTM core: core_state, the [2, {self.spec.core_state_size}] "
+                    f"state the unroll began with, is required)" if self.spec.core_state_size else "")
             raise Rejected("bad_field", f"{count} fields, the spec has {len(self._expected)}: "
-                                        f"{sorted(f.name for f in self._fields)}")
+                                        f"{sorted(f.name for f in self._fields)}{hint}")
         out = {}
         for name, (lz4_prefix, none_prefix) in self._prefixes:  # fast path: spec order, canonical entries
             if r.skip_prefix(lz4_prefix):
@@ -376,6 +378,7 @@ class WeightsMessage(NamedTuple):
     incarnation: int
     run_info: dict
     tensors: dict  # name -> np.ndarray
+    difficulty: float | None = None  # the learner's curriculum value (None: no curriculum)
 
 
 def new_incarnation() -> int:
@@ -383,15 +386,19 @@ def new_incarnation() -> int:
     return secrets.randbelow(_MAX_UINT63) + 1
 
 
-def encode_weights(version: int, tensors: dict[str, np.ndarray], run_info: dict, incarnation: int) -> bytes:
-    """``tensors``: name -> array (as in a model's state_dict), sent uncompressed, little-endian."""
+def encode_weights(version: int, tensors: dict[str, np.ndarray], run_info: dict, incarnation: int,
+                   difficulty: float | None = None) -> bytes:
+    """``tensors``: name -> array (as in a model's state_dict), sent uncompressed, little-endian. ``difficulty``: the
+    curriculum's value, written after ``incarnation`` (left out when None)."""
     out = {}
     for name, a in tensors.items():
         a = np.ascontiguousarray(a)
         a = a.astype(a.dtype.newbyteorder("<"), copy=False)
         out[name] = {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
-    return msgpack.packb({"v": PROTOCOL_VERSION, "type": TYPE_WEIGHTS, "version": int(version),
-                          "incarnation": int(incarnation), "run": run_info, "tensors": out}, use_bin_type=True)
+    msg = {"v": PROTOCOL_VERSION, "type": TYPE_WEIGHTS, "version": int(version), "incarnation": int(incarnation)}
+    if difficulty is not None:
+        msg["difficulty"] = float(difficulty)
+    return msgpack.packb({**msg, "run": run_info, "tensors": out}, use_bin_type=True)
 
 
 def weights_header(buf) -> tuple[int, int] | None:
@@ -441,7 +448,12 @@ def decode_weights(buf, max_message_bytes: int) -> WeightsMessage:
         incarnation = msg["incarnation"]
         if not _is_int(incarnation) or not 1 <= incarnation <= _MAX_UINT63:
             raise ValueError("incarnation is not an integer in [1, 2^63)")
-        return WeightsMessage(int(msg["version"]), incarnation, dict(msg["run"]), tensors)
+        difficulty = msg.get("difficulty")  # optional: present only with a curriculum
+        if difficulty is not None:
+            if type(difficulty) not in (float, int) or not _ISFINITE(difficulty):
+                raise ValueError("difficulty is not a finite number")
+            difficulty = float(difficulty)
+        return WeightsMessage(int(msg["version"]), incarnation, dict(msg["run"]), tensors, difficulty)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise Rejected("bad_field", f"weights: {type(e).__name__}: {e}") from None
 

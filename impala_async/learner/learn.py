@@ -16,7 +16,29 @@ from .metrics import RHO_BIN_EDGES
 
 
 def model_config(cfg: LearnerConfig) -> ModelConfig:
-    return ModelConfig(hidden_sizes=cfg.hidden_size_tuple, activation=cfg.activation)
+    """The network the configuration asks for (kind "auto" is resolved against the spec by :class:`Learner`).
+    ``cfg.input_scale`` 0 (auto) is resolved by the command line from the observation space; 1/255 here."""
+    lstm = cfg.lstm_size if cfg.use_lstm else 0
+    scale = cfg.input_scale or 1 / 255
+    if cfg.model == "mlp":
+        return ModelConfig("mlp", hidden_sizes=cfg.hidden_size_tuple, activation=cfg.activation)
+    if cfg.model == "shallow":
+        return ModelConfig("conv", input_scale=scale, lstm_size=lstm)
+    if cfg.model == "minatar":
+        return ModelConfig.minatar(input_scale=scale, lstm_size=lstm)
+    if cfg.model == "deep":
+        return ModelConfig.deep(input_scale=scale, lstm_size=lstm)
+    return ModelConfig(hidden_sizes=cfg.hidden_size_tuple, activation=cfg.activation, input_scale=scale,
+                       lstm_size=lstm)
+
+
+def recurrent_inputs(batch: dict[str, torch.Tensor]) -> tuple[tuple, torch.Tensor]:
+    """What the LSTM core unrolls from: the state the actor had at ``obs[0]`` (``core_state [B, 2, H]`` -> ``(h, c)``,
+    each ``[B, H]``) and ``starts [B, T+1]``, True where an observation begins an episode (the core is reset there)."""
+    core_state = batch["core_state"].float()
+    done = (batch["terminated"] != 0) | (batch["truncated"] != 0)  # [B, T]
+    starts = torch.cat([torch.zeros_like(done[:, :1]), done], dim=1)  # obs[0]: the actor already reset it
+    return (core_state[:, 0], core_state[:, 1]), starts
 
 
 class Learner:
@@ -25,6 +47,9 @@ class Learner:
         self.spec = spec
         self.device = device
         self.model_config = model_config(cfg).resolved(spec)
+        if spec.core_state_size != self.model_config.lstm_size:
+            raise ValueError(f"the trajectory spec carries a core state of {spec.core_state_size} units, the network "
+                             f"has an LSTM core of {self.model_config.lstm_size}")
         self.model = build_model(spec, self.model_config).to(device)
         params = self.model.parameters()
         if cfg.optimizer == "adam":
@@ -67,11 +92,10 @@ class Learner:
                 obs = bounded(obs, cfg.max_abs_obs)
         B, T1 = obs.shape[:2]
         T = T1 - 1
+        state, starts = recurrent_inputs(batch) if self.model.recurrent else ((), None)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
-            logits, values = self.model(obs.reshape(B * T1, *obs.shape[2:]))
+            logits, values = self.model.unroll(obs, state, starts)  # [T+1, B, A], [T+1, B]
         logits, values = logits.float(), values.float()  # everything after the network in fp32
-        logits = logits.view(B, T1, -1).transpose(0, 1)  # [T+1, B, A]
-        values = values.view(B, T1).transpose(0, 1)  # [T+1, B]
 
         def tm(name):  # time-major [T, B, ...]
             return batch[name].transpose(0, 1)
@@ -127,8 +151,10 @@ class Learner:
             hist = torch.bincount(torch.bucketize(rhos.flatten(), self._rho_edges), minlength=len(RHO_BIN_EDGES))
             scalars = torch.stack([pg_loss.detach(), baseline_loss.detach(), entropy.detach(), grad_norm.float(),
                                    rhos.mean(), (rhos > rho_bar).float().mean(),
+                                   ((rhos < 0.5) | (rhos > 2.0)).float().mean(),  # rho_far_frac: see watch.py
                                    torch.stack(clipped).sum().float()]).tolist()
-        names = ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "inputs_clipped")
+        names = ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "rho_far_frac",
+                 "inputs_clipped")
         stats = dict(zip(names, scalars, strict=True))
         stats["lr"] = lr
         stats["rho_hist"] = hist.tolist()

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 
 AUTO_SCRATCH_BYTES = 64 << 20  # decoded bytes of one message at most, when max_trajectories_per_message is auto
+MODEL_CHOICES = ("auto", "mlp", "shallow", "minatar", "deep")
 
 
 def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
@@ -28,6 +29,9 @@ def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     except (OSError, ValueError):
         pass  # no cgroup v2 quota readable: the affinity mask is the answer
     return n
+
+
+CURRICULA = ("none", "linear")  # --curriculum: the schedules of learner/curriculum.py, and none
 
 
 def opt(default, help: str, **kw):
@@ -52,8 +56,14 @@ class LearnerConfig:
     envs_per_actor: int = opt(32, "environments each actor steps with one batched forward pass")
     unroll_length: int = opt(20, "T: environment steps per trajectory")
     # ---- model
+    model: str = opt("auto", "network: auto (mlp for vectors; for uint8 images the MinAtar net up to 16x16 pixels, the "
+                             "Nature CNN above), mlp, shallow (the Nature CNN), minatar, or deep (the IMPALA ResNet)")
     hidden_sizes: str = opt("64,64", "MLP layer widths, comma separated (vector observations)")
     activation: str = opt("tanh", "MLP activation: tanh, relu or elu")
+    use_lstm: int = opt(0, "1: an LSTM core after the torso (image networks); actors carry its state across unrolls")
+    lstm_size: int = opt(256, "units of the LSTM core (with --use-lstm 1)")
+    input_scale: float = opt(0.0, "image networks multiply uint8 pixels by this (0: auto, 1 / the observation space's "
+                                  "maximum: 1/255 for Atari frames, 1 for MinAtar's 0/1 planes)")
     # ---- optimisation
     batch_size: int = opt(16, "B: trajectories per learner update")
     optimizer: str = opt("adam", "adam (the source article's choice) or rmsprop (torchbeast's)")
@@ -139,6 +149,25 @@ class LearnerConfig:
                               "single frames, 4x less data; 0: whole stacks")
     ingest_only: int = opt(0, "1: decode into the ring and release batches without training (load tests)")
     overlap_copies: int = opt(1, "CUDA: copy batch k+1 to the GPU on its own stream while batch k trains (0: serial)")
+    # ---- policy-collapse warnings on the console (learner/watch.py; the source article, section 4)
+    collapse_entropy_fraction: float = opt(0.1, "warn of a policy collapse when the entropy (median of the last 3 "
+                                                "reports) falls below this fraction of its maximum over the last "
+                                                "collapse_window_updates updates: 0.1, an order of magnitude (0: off)")
+    collapse_window_updates: int = opt(1000, "updates over which the entropy's recent maximum is taken (a fall "
+                                             "slower than this is a policy settling down, not a cliff)")
+    collapse_rho_far_frac: float = opt(0.1, "warn of policy drift when more than this share of importance weights "
+                                            "(median of the last 3 reports) lies outside [1/2, 2]: the policy being "
+                                            "trained and the one that acted disagree by 2x on the action taken "
+                                            "(healthy runs: near 0; 0: off)")
+    collapse_warn_interval_s: float = opt(60.0, "at most one warning of each kind (entropy, drift) this often")
+    # ---- curriculum (learner/curriculum.py; the source article, section 5.2)
+    curriculum: str = opt("none", "environment difficulty by the episodes actors finished: none, or linear "
+                                  "(curriculum_start to curriculum_end over curriculum_episodes); the value travels "
+                                  "with the weights and each environment gets it through "
+                                  "env.unwrapped.set_difficulty(value) at its next reset (README, Curriculum)")
+    curriculum_start: float = opt(0.5, "difficulty at episode 0")
+    curriculum_end: float = opt(2.0, "difficulty from curriculum_episodes on")
+    curriculum_episodes: int = opt(10_000, "episodes over which a linear curriculum goes from start to end")
 
     def check(self) -> LearnerConfig:
         """Raise ValueError naming the field and the failure it would cause."""
@@ -156,6 +185,12 @@ class LearnerConfig:
         need(self.envs_per_actor >= 1, "envs_per_actor must be >= 1: an actor without environments sends nothing")
         need(self.unroll_length >= 1, "unroll_length must be >= 1")
         need(self.batch_size >= 1, "batch_size must be >= 1")
+        need(self.model in MODEL_CHOICES, f"model must be one of {', '.join(MODEL_CHOICES)}, got {self.model!r}")
+        need(self.lstm_size >= 1, "lstm_size must be >= 1")
+        need(self.use_lstm in (0, 1), "use_lstm must be 0 or 1")
+        need(math.isfinite(self.input_scale) and self.input_scale >= 0, "input_scale must be >= 0 (0: auto)")
+        need(not (self.use_lstm and self.model == "mlp"), "use_lstm needs an image network: the MLP has two torsos "
+                                                          "and no core (choose --model auto, shallow, minatar or deep)")
         need(self.optimizer in ("adam", "rmsprop"), f"optimizer must be adam or rmsprop, got {self.optimizer!r}")
         need(self.precision in ("fp32", "bf16"), f"precision must be fp32 or bf16, got {self.precision!r} (fp16 would "
                                                  "need loss scaling, and bf16 has fp32's range without it)")
@@ -198,6 +233,15 @@ class LearnerConfig:
         need(self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s,
              "heartbeat_timeout_s must exceed twice heartbeat_interval_s, or healthy actors would be killed")
         need(self.max_actor_restarts >= 0, "max_actor_restarts must be >= 0")
+        for name in ("collapse_entropy_fraction", "collapse_rho_far_frac"):
+            v = getattr(self, name)
+            need(math.isfinite(v) and 0 <= v < 1, f"{name} must lie in [0, 1) (0: off), got {v}")
+        need(self.collapse_window_updates >= 1, "collapse_window_updates must be >= 1")
+        need(self.collapse_warn_interval_s >= 0, "collapse_warn_interval_s must be >= 0")
+        need(self.curriculum in CURRICULA, f"curriculum must be one of {', '.join(CURRICULA)}, got {self.curriculum!r}")
+        need(math.isfinite(self.curriculum_start) and math.isfinite(self.curriculum_end),
+             "curriculum_start and curriculum_end must be finite: they travel to actors as difficulties")
+        need(self.curriculum_episodes >= 1, "curriculum_episodes must be >= 1")
         need(self.checkpoint_keep >= 1, "checkpoint_keep must be >= 1: the newest checkpoint is the one resume needs")
         try:
             sizes = self.hidden_size_tuple
