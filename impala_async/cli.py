@@ -62,7 +62,7 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
 
     from .actors.envs import frame_stack_of, make_env
     from .actors.procs import ActorProcesses, actor_argv
-    from .core import wire
+    from .core import codecs, wire
     from .core.spec import TrajectorySpec
     from .learner.learn import Learner
     from .learner.server import LearnerServer
@@ -83,10 +83,12 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
     spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, cfg.unroll_length,
                                       frame_stack=frame_stack_of(env) if cfg.frame_dedup else 0,
                                       core_state_size=cfg.lstm_size if cfg.use_lstm else 0)
+    high = float(np.max(env.observation_space.high)) if spec.obs_dtype == "uint8" else 255.0
     if not cfg.input_scale:  # uint8 images to [0, 1]: 1/255 for pixels, 1 for MinAtar's 0/1 planes
-        high = float(np.max(env.observation_space.high)) if spec.obs_dtype == "uint8" else 255.0
         cfg.input_scale = 1.0 / max(1.0, high)
     env.close()
+    if cfg.obs_codec == codecs.CODEC_JPEG and codecs.refusal(spec.fields[0], high):
+        raise SystemExit(f"impala-async: --env {cfg.env}: {codecs.refusal(spec.fields[0], high)}")
     cfg.resolve_for(spec.trajectory_nbytes)
     try:
         learner = Learner(cfg, spec, device)
@@ -102,7 +104,8 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
     run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": cfg.env, "env_kwargs": cfg.env_kwargs_dict,
                 "spec": spec.to_dict(), "model": learner.model_config.to_dict(),
                 "max_trajectories_per_message": cfg.max_trajectories_per_message,
-                "max_message_bytes": cfg.max_message_bytes}
+                "max_message_bytes": cfg.max_message_bytes, "obs_codec": cfg.obs_codec,
+                "jpeg_quality": cfg.jpeg_quality}
     server: LearnerServer | None = None
     actors = None
     if cfg.local_actors > 0:
@@ -267,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--envs-per-actor", type=int, default=16, help="environments per actor (default: 16)")
     act.add_argument("--seed", type=int, default=0, help="base seed (default: 0)")
     act.add_argument("--index", type=int, default=0, help="index of the first actor, for seeding (default: 0)")
-    act.add_argument("--codec", choices=("lz4", "none"), default="lz4", help="array compression (default: lz4)")
+    act.add_argument("--codec", choices=("lz4", "none"), default="lz4", help=(
+        "array compression (default: lz4); images go as JPEG instead when the learner asks for it (--obs-codec jpeg)"))
     act.add_argument("--curve-keys", default="", help="directory with actor.key_secret and learner.key: connect with "
                                                       "CurveZMQ (see README, Security)")
     act.add_argument("--max-wait-for-weights-s", type=float, default=600.0,

@@ -133,7 +133,7 @@ _ints = st.one_of(st.integers(-3, 300), st.integers(-(1 << 63), (1 << 64) - 1),
                   st.sampled_from([0, 1, 2, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, (1 << 63) - 1, 1 << 63]))
 _scalars = st.one_of(st.none(), st.booleans(), _ints, st.floats(), st.text(max_size=80), st.binary(max_size=600),
                      st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=8)),
-                     st.sampled_from(["<f4", "<i4", "|u1", "<f8", "float32", "lz4", "none", "trajectories"]))
+                     st.sampled_from(["<f4", "<i4", "|u1", "<f8", "float32", "lz4", "none", "jpeg", "trajectories"]))
 _values = st.recursive(_scalars, lambda inner: st.one_of(
     st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=20), inner, max_size=6)), max_leaves=12)
 _keys = st.one_of(st.sampled_from(["v", "type", "actor", "seq", "policy_version", "n", "episodes", "fields",
@@ -174,7 +174,7 @@ def structural_mutation(draw):
         op = draw(st.sampled_from(["set", "delete", "payload", "payload"]))
         if op == "payload" and where == "entry":
             target["data"] = draw(_payload_values(spec, name))
-            target["codec"] = draw(st.sampled_from(["lz4", "none", target.get("codec")]))
+            target["codec"] = draw(st.sampled_from(["lz4", "none", "jpeg", target.get("codec")]))
         elif op == "delete" and target:
             del target[draw(st.sampled_from(sorted(target, key=repr)))]
         else:

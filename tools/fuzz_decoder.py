@@ -69,7 +69,7 @@ def fuzzed_value(fdp: atheris.FuzzedDataProvider, depth: int = 0):
     if kind == 5:
         return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 600))
     if kind == 6:
-        return fdp.PickValueInList(["<f4", "<i4", "|u1", "<f8", "lz4", "none", "trajectories", 1, 0, [], {}])
+        return fdp.PickValueInList(["<f4", "<i4", "|u1", "<f8", "lz4", "none", "jpeg", "trajectories", 1, 0, [], {}])
     if kind == 7:
         return msgpack.ExtType(fdp.ConsumeIntInRange(0, 127), fdp.ConsumeBytes(4))
     if kind == 8:

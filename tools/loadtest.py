@@ -5,8 +5,16 @@ Self-contained (default): starts `impala-async learner` in ingest-only mode (dec
 batches) or, with --train, in full training mode, pinned to CPU 0 when --pin, plus --actors synthetic actor processes
 (pinned to the other CPUs). Synthetic actors send realistic, pre-compressed trajectories through the real wire format:
 `--obs cartpole` (real CartPole-v1 states) or `--obs atari` (4x84x84 uint8 frame stacks from the Pong-like
-environment: flat background, two paddles, a ball). They learn the spec and the policy version from the learner's
-weights messages, exactly as real actors do.
+environment: flat background, two paddles, a ball) or `--obs ale` (real ALE/Pong-v5 frames, which the jpeg codec is
+measured on). They learn the spec and the policy version from the learner's weights messages, exactly as real actors
+do.
+
+`--codec lz4,jpeg` measures each codec in turn, with a fresh learner and actors each time (jpeg is always measured
+beside lz4: lz4 is added if not named), and reports for each: encode cost per frame on the actor side (CPU time to
+encode the image field of the pre-encoded messages), decode cost per frame on the learner side (the decode stage per
+trajectory, all fields and the value checks included, over the image planes of a trajectory), wire bytes per frame,
+wire MB/s and frames/s.
+Under jpeg only the image field (obs or frames) is JPEG; every other field is LZ4, as real actors send it.
 
 Attach mode: `--learner tcp://HOST:PORT` sends to a learner that is already running (give `--metrics
 LOGDIR/metrics.jsonl` if it is on this machine, for the learner-side figures; `--curve-keys DIR` if it requires CURVE).
@@ -34,7 +42,8 @@ from pathlib import Path
 
 from impala_async.learner.metrics import read_metrics
 
-ENVS = {"cartpole": "CartPole-v1", "atari": "impala_async.actors.envs:PongLike-v0"}
+ENVS = {"cartpole": "CartPole-v1", "atari": "impala_async.actors.envs:PongLike-v0", "ale": "ALE/Pong-v5"}
+CODECS = ("lz4", "none", "jpeg")
 
 
 # ------------------------------------------------------------------------------------------------ synthetic actor
@@ -46,7 +55,7 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     import zmq
 
     from impala_async.actors.envs import make_env
-    from impala_async.core import frames, wire
+    from impala_async.core import codecs, frames, wire
     from impala_async.core.spec import TrajectorySpec
 
     stop = []
@@ -99,12 +108,23 @@ def synthetic_actor(a: argparse.Namespace) -> int:
             arrays["frames"] = frames.pack(arrays.pop("obs")[None], done[None])[0]
         trajectories.append(arrays)
     # Pre-encoded payloads of distinct messages: each field of n trajectories is one block (docs/protocol.md).
-    distinct = []
+    image, geometry = spec.fields[0].name, codecs.image_geometry(spec.fields[0])
+    distinct, encode_s, image_bytes = [], 0.0, 0
     for j in range(a.distinct):
         picks = [trajectories[(j * N + i) % a.distinct] for i in range(N)]
         stacked = {name: np.stack([p[name] for p in picks]) for name in picks[0]}
-        distinct.append({name: (lz4.block.compress(x) if a.codec == "lz4" else x.tobytes())
-                         for name, x in stacked.items()})
+        payloads = {}
+        for name, x in stacked.items():
+            codec = a.codec if a.codec != "jpeg" or (name == image and geometry) else "lz4"
+            t0 = time.process_time()  # this process's CPU time: actors sharing a core do not inflate it
+            payloads[name] = (codec, codecs.encode_jpeg(x, a.jpeg_quality) if codec == "jpeg" else
+                              lz4.block.compress(x) if codec == "lz4" else x.tobytes())
+            if name == image:
+                encode_s += time.process_time() - t0
+                image_bytes += len(payloads[name][1])
+        distinct.append(payloads)
+    planes = geometry[0] if geometry else 0  # image planes (frames) per trajectory
+    encoded_frames = a.distinct * N * planes
     field_meta = {f.name: (f.wire_dtype, list(f.shape)) for f in spec.fields}
     ident = f"loadtest/{os.getpid()}/{a.index}"
     per_actor_rate = a.rate / a.actors / (N * T) if a.rate > 0 else 0.0  # messages/s
@@ -117,7 +137,7 @@ def synthetic_actor(a: argparse.Namespace) -> int:
             latest = wire.weights_header(sub.recv())
             version, incarnation = (version, incarnation) if latest is None else latest
         payloads = distinct[seq % len(distinct)]
-        fields = {name: {"dtype": d, "shape": s, "codec": a.codec, "data": payloads[name]}
+        fields = {name: {"dtype": d, "shape": s, "codec": payloads[name][0], "data": payloads[name][1]}
                   for name, (d, s) in field_meta.items()}
         msg = msgpack.packb({"v": wire.PROTOCOL_VERSION, "type": "trajectories", "actor": ident, "seq": seq,
                              "policy_version": version, "incarnation": incarnation, "n": N, "episodes": [],
@@ -139,7 +159,9 @@ def synthetic_actor(a: argparse.Namespace) -> int:
         seq += 1
     elapsed = time.monotonic() - start
     print(json.dumps({"trajectories_sent": sent, "blocked_frac": blocked_s / max(elapsed, 1e-9),
-                      "seconds": elapsed}), flush=True)
+                      "seconds": elapsed, "planes_per_trajectory": planes,
+                      "encode_us_per_frame": encode_s / encoded_frames * 1e6 if encoded_frames else None,
+                      "wire_bytes_per_frame": image_bytes / encoded_frames if encoded_frames else None}), flush=True)
     sub.close(0)
     push.close(0)
     ctx.term()
@@ -216,7 +238,9 @@ def main() -> int:
     p.add_argument("--trajectories-per-message", type=int, default=16, help=(
         "trajectories per message (real actors send one per environment of an unroll: 32 by default)"))
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--codec", choices=("lz4", "none"), default="lz4")
+    p.add_argument("--codec", default="lz4", help="lz4, none or jpeg, or several separated by commas, measured in "
+                                                  "turn (jpeg: --obs ale; lz4 is always measured beside it)")
+    p.add_argument("--jpeg-quality", type=int, default=90)
     p.add_argument("--rate", type=float, default=0.0, help="offered env frames/s over all actors (0: as fast as "
                                                           "possible)")
     p.add_argument("--seconds", type=float, default=20.0, help="measurement window")
@@ -231,7 +255,31 @@ def main() -> int:
     a = p.parse_args()
     if a.actor_worker:
         return synthetic_actor(a)
+    chosen = a.codec.split(",")
+    if not set(chosen) <= set(CODECS):
+        raise SystemExit(f"loadtest: --codec takes {', '.join(CODECS)} (comma-separated), got {a.codec!r}")
+    if "jpeg" in chosen:
+        if a.obs != "ale" and not a.learner:
+            raise SystemExit("loadtest: --codec jpeg is measured on real ALE frames: use --obs ale (--obs atari's "
+                             "PongLike frames are synthetic, flat pictures that say nothing about JPEG)")
+        chosen = ["lz4"] * ("lz4" not in chosen) + chosen
+    results = {}
+    for codec in chosen:
+        a.codec = codec
+        results[codec] = measure(a)
+    result = results[chosen[0]] if len(chosen) == 1 else {"codecs": results, "comparison": {
+        c: {k: r.get(k) for k in ("frames_per_s", "wire_mb_per_s", "encode_us_per_frame", "decode_us_per_frame",
+                                   "wire_bytes_per_frame")} for c, r in results.items()}}
+    if a.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=1))
+    return 0
 
+
+def measure(a: argparse.Namespace) -> dict:
+    """One run of learner and synthetic actors with ``a.codec``; the summary as a dict."""
+    a = argparse.Namespace(**vars(a))  # the addresses of a learner started here stay this run's
     cpus = os.sched_getaffinity(0)
     learner_cpus = {min(cpus)} if a.pin else None
     actor_cpus = (cpus - learner_cpus or cpus) if a.pin else None
@@ -260,7 +308,8 @@ def main() -> int:
     for i in range(a.actors):
         cmd = [sys.executable, __file__, "--actor-worker", "--index", str(i), "--learner", a.learner,
                "--weights", a.weights, "--actors", str(a.actors), "--trajectories-per-message",
-               str(a.trajectories_per_message), "--codec", a.codec, "--rate", str(a.rate),
+               str(a.trajectories_per_message), "--codec", a.codec, "--jpeg-quality", str(a.jpeg_quality),
+               "--rate", str(a.rate),
                "--send-hwm", str(a.send_hwm), "--distinct", str(a.distinct)]
         if a.curve_keys:
             cmd += ["--curve-keys", a.curve_keys]
@@ -322,11 +371,17 @@ def main() -> int:
         result["rss_mib_max"] = round(max(m for _, m in rss_mib), 1)
         result["rss_bound_mib"] = round(result["rss_mib_idle"] + rows[-1]["ring_mib"] + rows[-1]["scratch_mib"]
                                         + a.actors * hwm * max_msg_mib, 1)
-    if a.json:
-        print(json.dumps(result))
-    else:
-        print(json.dumps(result, indent=1))
-    return 0
+    planes = sent[0]["planes_per_trajectory"] if sent else 0
+    decode_s = (result.get("stages") or {}).get("decode")
+    result["encode_us_per_frame"] = _median([s["encode_us_per_frame"] for s in sent])
+    result["wire_bytes_per_frame"] = _median([s["wire_bytes_per_frame"] for s in sent])
+    result["decode_us_per_frame"] = round(decode_s / planes * 1e6, 2) if decode_s and planes else None
+    return result
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 2) if values else None
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import zmq
 
-from ..core import frames, wire
+from ..core import codecs, frames, wire
 from ..core.models import ModelConfig, build_model
 from ..core.spec import TrajectorySpec
 from .envs import make_env, set_difficulty
@@ -129,6 +129,16 @@ class Policy:
         return logits.numpy(), values.numpy(), state
 
 
+def image_codec(run_info: dict, codec: str) -> tuple[str, int]:
+    """``(codec, JPEG quality)`` for the image field: jpeg at ``run.jpeg_quality`` where the learner's ``run.obs_codec``
+    asks for it, else this actor's own ``codec`` (lz4, an absent or unknown value included: the learner accepts lz4
+    from any actor). ImportError, one line naming the ``pip install``, if jpeg is asked for and simplejpeg missing."""
+    if run_info.get("obs_codec") != wire.CODEC_JPEG:
+        return codec, codecs.DEFAULT_QUALITY
+    codecs.jpeg_module()
+    return wire.CODEC_JPEG, int(run_info.get("jpeg_quality", codecs.DEFAULT_QUALITY))
+
+
 def _receive_weights(sub: zmq.Socket, max_bytes: int, timeout_ms: int,
                      have: tuple[int, int] | None = None) -> wire.WeightsMessage | None:
     """Newest weights message (SUB is CONFLATEd) unless it is the ``(version, incarnation)`` already ``have``, or
@@ -199,6 +209,11 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
     spec, run_info = policy.spec, policy.run_info
     T, K = spec.unroll_length, cfg.envs_per_actor
     per_message = int(run_info.get("max_trajectories_per_message", K)) or K
+    try:
+        images, quality = image_codec(run_info, cfg.codec)
+    except ImportError as e:
+        log.error("actor %d: the learner asks for JPEG images (run.obs_codec): %s", cfg.index, e)
+        return 2
     seeds = np.random.SeedSequence([cfg.seed, cfg.index]).generate_state(K + 1)
     rng = np.random.default_rng(seeds[K])
     envs = [make_env(run_info["env_id"], **run_info.get("env_kwargs", {})) for _ in range(K)]
@@ -264,7 +279,8 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
             part = buf if per_message >= K else {name: a[lo:lo + per_message] for name, a in buf.items()}
             msg = wire.encode_trajectories(spec, actor_id=actor_id, seq=seq, policy_version=policy.version,
                                            incarnation=policy.incarnation, arrays=part, episodes=episodes,
-                                           codec=cfg.codec, sent_at_ns=time.time_ns())
+                                           codec=cfg.codec, sent_at_ns=time.time_ns(), image_codec=images,
+                                           jpeg_quality=quality)
             if not _send(push, msg, stop, beat):
                 break
             seq += 1

@@ -5,9 +5,10 @@ implements; keep the two in agreement.
 
 A trajectory message is one msgpack map carrying ``n`` trajectories of one actor. Every array travels as the raw
 little-endian bytes of one trajectory's field, either uncompressed or as an LZ4 block preceded by its uncompressed size
-(4 bytes, little-endian: the layout of ``lz4.block.compress(data)``). The decoder never trusts a size the sender
-states: every expected size comes from the :class:`~impala_async.core.spec.TrajectorySpec`, every container length is
-capped before anything is allocated, and decompression writes straight into the destination (a ring-buffer slot).
+(4 bytes, little-endian: the layout of ``lz4.block.compress(data)``); uint8 images may also travel as JPEG
+(:mod:`.codecs`). The decoder never trusts a size the sender states: every expected size comes from the
+:class:`~impala_async.core.spec.TrajectorySpec`, every container length is capped before anything is allocated, and
+decompression writes straight into the destination (a ring-buffer slot).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import lz4.block
 import msgpack
 import numpy as np
 
-from . import mpack
+from . import codecs, mpack
 from .spec import CHECK_ACTION, CHECK_FINITE, CHECK_FLAG, TrajectorySpec
 
 PROTOCOL_VERSION = 2
@@ -29,13 +30,15 @@ TYPE_TRAJECTORIES = "trajectories"
 TYPE_WEIGHTS = "weights"
 CODEC_LZ4 = "lz4"
 CODEC_NONE = "none"
-CODECS = (CODEC_LZ4, CODEC_NONE)
+CODECS = (CODEC_LZ4, CODEC_NONE)  # for any field
+CODEC_JPEG = codecs.CODEC_JPEG  # for uint8 image fields only (codecs.image_geometry; docs/protocol.md)
+ALL_CODECS = (*CODECS, CODEC_JPEG)
 
 _MAX_UINT63 = (1 << 63) - 1
 _MAX_KEY_BYTES = 32  # longer than any key of the layout
 _MAX_TOP_KEYS = 16
 _FIELD_KEYS = (b"dtype", b"shape", b"codec", b"data")
-_CODECS_RAW = {c.encode(): c for c in CODECS}
+_CODECS_RAW = {c.encode(): c for c in ALL_CODECS}
 _MAX_SHAPE_DIMS = 8
 _MAX_DETAIL_CHARS = 240  # a rejection's detail (it is logged) never carries more of a peer's bytes than this
 
@@ -50,6 +53,8 @@ REJECT_REASONS = (
     "bad_field",  # field set, dtype, shape, codec or payload type differs from the spec
     "bad_size",  # payload length or LZ4 size header differs from the spec's size
     "bad_lz4",  # LZ4 block invalid or decompressing to the wrong length
+    "bad_jpeg",  # a jpeg piece that is not a baseline 8-bit greyscale JPEG, or does not decode
+    "bad_jpeg_dimensions",  # a jpeg piece whose header gives other dimensions than the spec (checked before decoding)
     "nonfinite",  # NaN or infinity in a float field
     "bad_action",  # action index outside [0, num_actions)
     "bad_flag",  # terminated/truncated not 0 or 1
@@ -96,31 +101,39 @@ class TrajectoryMessage(NamedTuple):
     incarnation: int
     n: int
     episodes: list  # [[return: float, length: int], ...]
-    fields: dict  # name -> (codec, payload: bytes-like)
+    fields: dict  # name -> (codec, payload: bytes-like; for jpeg the list of its checked pieces)
     sent_at_ns: int | None
 
 
-def _compress(a: np.ndarray, codec: str) -> bytes:
+def _compress(a: np.ndarray, codec: str, jpeg_quality: int) -> bytes:
     if codec == CODEC_LZ4:
         return lz4.block.compress(a, store_size=True)
+    if codec == CODEC_JPEG:
+        return codecs.encode_jpeg(a, jpeg_quality)
     return a.tobytes()
 
 
 def encode_trajectories(spec: TrajectorySpec, *, actor_id: str, seq: int, policy_version: int, incarnation: int,
                         arrays: dict[str, np.ndarray], episodes=(), codec: str = CODEC_LZ4,
-                        sent_at_ns: int | None = None) -> bytes:
+                        sent_at_ns: int | None = None, image_codec: str = "",
+                        jpeg_quality: int = codecs.DEFAULT_QUALITY) -> bytes:
     """Encode ``n`` trajectories; ``arrays[name]`` is ``[n, *field.shape]`` for every field of ``spec``.
     Each field travels as one payload holding all ``n`` trajectories (trajectory-major). ``policy_version`` and
-    ``incarnation`` are those of the weights message whose policy chose the actions."""
-    if codec not in CODECS:
-        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+    ``incarnation`` are those of the weights message whose policy chose the actions. ``image_codec`` (one of
+    ALL_CODECS; "": ``codec``) encodes the uint8 image field (``obs`` or ``frames``, see codecs.image_geometry), if
+    the spec has one; every other field travels with ``codec``."""
+    if codec not in CODECS or image_codec not in ("", *ALL_CODECS):
+        raise ValueError(f"codec must be one of {CODECS} and image_codec one of {ALL_CODECS}, got {codec!r}, "
+                         f"{image_codec!r}")
     n = len(arrays[spec.fields[0].name])
     fields = {}
     for f in spec.fields:
         a = np.ascontiguousarray(arrays[f.name], dtype=f.dtype)
         if a.shape != (n, *f.shape):
             raise ValueError(f"field {f.name!r}: shape {a.shape}, expected {(n, *f.shape)}")
-        fields[f.name] = {"dtype": f.wire_dtype, "shape": list(f.shape), "codec": codec, "data": _compress(a, codec)}
+        c = image_codec if image_codec and codecs.image_geometry(f) else codec
+        fields[f.name] = {"dtype": f.wire_dtype, "shape": list(f.shape), "codec": c,
+                          "data": _compress(a, c, jpeg_quality)}
     msg = {"v": PROTOCOL_VERSION, "type": TYPE_TRAJECTORIES, "actor": actor_id, "seq": seq,
            "policy_version": policy_version, "incarnation": incarnation, "n": n,
            "episodes": [[float(r), int(length)] for r, length in episodes], "fields": fields}
@@ -150,6 +163,7 @@ class TrajectoryDecoder:
         self._plan = [(f.name, f.nbytes, f.check, spec.num_actions if f.check == CHECK_ACTION else None)
                       for f in self._fields]
         self._nbytes = {f.name: f.nbytes for f in self._fields}
+        self._images = {f.name: codecs.image_geometry(f) for f in self._fields}  # (planes, H, W) or None
         # The top-level keys and their readers (each checks type and range, raising Rejected).
         self._readers = {b"v": self._read_v, b"type": self._read_type, b"actor": self._read_actor,
                          b"seq": self._read_uint63, b"policy_version": self._read_uint63,
@@ -161,7 +175,7 @@ class TrajectoryDecoder:
         self._prefixes = [(f.name, tuple(
             msgpack.packb(f.name) + b"\x84" + b"".join(msgpack.packb(x) for x in (
                 "dtype", f.wire_dtype, "shape", list(f.shape), "codec", codec, "data"))
-            for codec in (CODEC_LZ4, CODEC_NONE))) for f in self._fields]
+            for codec in (CODEC_LZ4, CODEC_NONE, CODEC_JPEG))) for f in self._fields]
 
     def parse(self, buf) -> TrajectoryMessage:
         """Check everything but the payloads' contents. Raises :class:`Rejected`."""
@@ -189,6 +203,8 @@ class TrajectoryDecoder:
             if codec == CODEC_NONE:
                 if len(data) != nbytes:
                     raise Rejected("bad_size", f"field {name!r}: {len(data)} bytes, spec says {nbytes}")
+            elif codec == CODEC_JPEG:  # pieces checked (sizes, dimensions), nothing decoded
+                fields[name] = (codec, _jpeg(name, codecs.split_field, self._images[name], data, n))
             elif len(data) < 5 or int.from_bytes(data[:4], "little") != nbytes:
                 claimed = int.from_bytes(data[:4], "little") if len(data) >= 4 else None
                 raise Rejected("bad_size", f"field {name!r}: LZ4 header claims {claimed} bytes, spec says {nbytes}")
@@ -284,11 +300,13 @@ class TrajectoryDecoder:
             raise Rejected("bad_field", f"{count} fields, the spec has {len(self._expected)}: "
                                         f"{sorted(f.name for f in self._fields)}{hint}")
         out = {}
-        for name, (lz4_prefix, none_prefix) in self._prefixes:  # fast path: spec order, canonical entries
+        for name, (lz4_prefix, none_prefix, jpeg_prefix) in self._prefixes:  # fast path: spec order, canonical
             if r.skip_prefix(lz4_prefix):
                 out[name] = (CODEC_LZ4, r.bin())
             elif r.skip_prefix(none_prefix):
                 out[name] = (CODEC_NONE, r.bin())
+            elif r.skip_prefix(jpeg_prefix):
+                out[name] = (CODEC_JPEG, r.bin())
             else:
                 break
         for _ in range(count - len(out)):
@@ -318,7 +336,8 @@ class TrajectoryDecoder:
                                             f"{list(entry[b'shape'])}, expected {dtype.decode()!r} {list(shape)}")
             codec = _CODECS_RAW.get(entry[b"codec"])
             if codec is None:
-                raise Rejected("bad_field", f"field {name!r}: codec {short_repr(entry[b'codec'])} not in {CODECS}")
+                raise Rejected("bad_field", f"field {name!r}: codec {short_repr(entry[b'codec'])} not in "
+                                            f"{ALL_CODECS}")
             out[name] = (codec, entry[b"data"])
         return out
 
@@ -339,6 +358,8 @@ class TrajectoryDecoder:
                 if written != out.nbytes:
                     raise Rejected("bad_lz4", f"field {name!r}: decompressed to {written} bytes, "
                                               f"spec says {out.nbytes}")
+            elif codec == CODEC_JPEG:  # parse() checked every piece's dimensions against the spec
+                _jpeg(name, codecs.decode_jpeg_into, data, out, *self._images[name][1:])
             else:
                 out.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
             # Value checks, in chunks that bound the temporaries.
@@ -365,6 +386,14 @@ class TrajectoryDecoder:
             raise Rejected("inconsistent", "terminated and truncated both 1 at a step (a terminal state is not cut)")
         if _COUNT_NONZERO(values) != _COUNT_NONZERO(values.reshape(cut.shape)[cut]):
             raise Rejected("inconsistent", "truncation_value is non-zero at a step that was not truncated")
+
+
+def _jpeg(name: str, fn, *args):
+    """``fn(*args)`` of codecs, its rejections as :class:`Rejected` naming the field."""
+    try:
+        return fn(*args)
+    except codecs.JpegRejected as e:
+        raise Rejected(e.reason, f"field {name!r}: {e.detail}") from None
 
 
 _MAX_U32 = np.maximum.reduce

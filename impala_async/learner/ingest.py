@@ -67,6 +67,8 @@ class Ingest:
         # Counters.
         self.env_steps = 0  # steps in accepted trajectories
         self.trajectories_received = 0
+        self.trajectories_jpeg = 0  # of which the observations (obs or frames) came as JPEG
+        self._image_field = spec.fields[0].name  # obs or frames
         self.messages_received = 0
         self.bytes_received = 0
         self.decoded_bytes = 0
@@ -189,6 +191,8 @@ class Ingest:
 
     def _accepted(self, msg: wire.TrajectoryMessage, m: int) -> None:
         self.trajectories_received += m
+        if msg.fields[self._image_field][0] == wire.CODEC_JPEG:
+            self.trajectories_jpeg += m
         self.env_steps += m * self.steps_per_trajectory
         self.decoded_bytes += m * self.spec.trajectory_nbytes
         self.last_data_at = time.monotonic()

@@ -54,6 +54,7 @@ class Reporter:
             "policy_lag_max": max(lag[2] for lag in lags) if lags else None,
             "trajectories_received": ing.trajectories_received,
             "trajectories_rejected": ing.trajectories_rejected,
+            "trajectories_jpeg": ing.trajectories_jpeg,
             "messages_rejected": sum(ing.rejected.values()),
             "trajectories_dropped": (ring.dropped_full + ring.dropped_stale + ing.dropped_stale
                                      + ing.dropped_incarnation),

@@ -32,6 +32,7 @@ def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
 
 
 CURRICULA = ("none", "linear")  # --curriculum: the schedules of learner/curriculum.py, and none
+OBS_CODECS = ("lz4", "jpeg")  # --obs-codec: how actors are asked to send image observations (core/codecs.py)
 
 
 def opt(default, help: str, **kw):
@@ -147,6 +148,10 @@ class LearnerConfig:
     # ---- modes
     frame_dedup: int = opt(1, "1: observations that stack consecutive frames (Atari) travel and sit in the ring as "
                               "single frames, 4x less data; 0: whole stacks")
+    obs_codec: str = opt("lz4", "how actors send uint8 image observations (obs, frames): lz4 (lossless) or jpeg "
+                                "(lossy, at --jpeg-quality; needs pip install 'impala-async[jpeg]'); every other "
+                                "field travels as lz4. The learner accepts lz4, jpeg or none from any actor")
+    jpeg_quality: int = opt(90, "JPEG quality, 1 to 100, that actors encode images with under --obs-codec jpeg")
     ingest_only: int = opt(0, "1: decode into the ring and release batches without training (load tests)")
     overlap_copies: int = opt(1, "CUDA: copy batch k+1 to the GPU on its own stream while batch k trains (0: serial)")
     # ---- policy-collapse warnings on the console (learner/watch.py; the source article, section 4)
@@ -238,6 +243,9 @@ class LearnerConfig:
             need(math.isfinite(v) and 0 <= v < 1, f"{name} must lie in [0, 1) (0: off), got {v}")
         need(self.collapse_window_updates >= 1, "collapse_window_updates must be >= 1")
         need(self.collapse_warn_interval_s >= 0, "collapse_warn_interval_s must be >= 0")
+        need(self.obs_codec in OBS_CODECS, f"obs_codec must be one of {', '.join(OBS_CODECS)}, got "
+                                           f"{self.obs_codec!r}")
+        need(1 <= self.jpeg_quality <= 100, f"jpeg_quality must lie in [1, 100], got {self.jpeg_quality}")
         need(self.curriculum in CURRICULA, f"curriculum must be one of {', '.join(CURRICULA)}, got {self.curriculum!r}")
         need(math.isfinite(self.curriculum_start) and math.isfinite(self.curriculum_end),
              "curriculum_start and curriculum_end must be finite: they travel to actors as difficulties")
