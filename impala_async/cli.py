@@ -109,10 +109,11 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
     server: LearnerServer | None = None
     actors = None
     if cfg.local_actors > 0:
-        extra = []
+        extra = ["--send-hwm-messages", str(cfg.actor_send_hwm_messages),
+                 "--send-buffer-bytes", str(cfg.actor_send_buffer_bytes)]
         if keys is not None:  # local actors get a key pair of their own, admitted for this run only
             local_dir, keys = auth.local_actor_keys(keys, Path(cfg.logdir) / ".local-actor-keys")
-            extra = ["--curve-keys", str(local_dir)]
+            extra += ["--curve-keys", str(local_dir)]
         actors = ActorProcesses(
             lambda i, fd: actor_argv(server.listen_endpoint, server.publish_endpoint, i, fd, seed=cfg.seed,
                                      envs_per_actor=cfg.envs_per_actor, heartbeat_interval_s=cfg.heartbeat_interval_s,
@@ -176,8 +177,10 @@ def cmd_actor(args) -> int:
             learner=args.learner, weights=weights, index=args.index, seed=args.seed,
             envs_per_actor=args.envs_per_actor, codec=args.codec, parent_pid=args.parent_pid,
             max_wait_for_weights_s=args.max_wait_for_weights_s, heartbeat_fd=args.heartbeat_fd,
-            heartbeat_interval_s=args.heartbeat_interval_s, curve_keys=args.curve_keys))
-    extra = ["--codec", args.codec] + (["--curve-keys", args.curve_keys] if args.curve_keys else [])
+            heartbeat_interval_s=args.heartbeat_interval_s, curve_keys=args.curve_keys,
+            send_hwm_messages=args.send_hwm_messages, send_buffer_bytes=args.send_buffer_bytes))
+    extra = ["--codec", args.codec, "--send-hwm-messages", str(args.send_hwm_messages), "--send-buffer-bytes",
+             str(args.send_buffer_bytes)] + (["--curve-keys", args.curve_keys] if args.curve_keys else [])
     procs = ActorProcesses(
         lambda i, fd: actor_argv(args.learner, weights, args.index + i, fd, seed=args.seed,
                                  envs_per_actor=args.envs_per_actor, heartbeat_interval_s=args.heartbeat_interval_s,
@@ -270,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--envs-per-actor", type=int, default=16, help="environments per actor (default: 16)")
     act.add_argument("--seed", type=int, default=0, help="base seed (default: 0)")
     act.add_argument("--index", type=int, default=0, help="index of the first actor, for seeding (default: 0)")
+    act.add_argument("--send-hwm-messages", type=int, default=4,
+                     help="ZMQ_SNDHWM: messages queued before a send waits (default: 4)")
+    act.add_argument("--send-buffer-bytes", type=int, default=0,
+                     help="ZMQ_SNDBUF, the kernel's send buffer (default: 0, the system's)")
     act.add_argument("--codec", choices=("lz4", "none"), default="lz4", help=(
         "array compression (default: lz4); images go as JPEG instead when the learner asks for it (--obs-codec jpeg)"))
     act.add_argument("--curve-keys", default="", help="directory with actor.key_secret and learner.key: connect with "

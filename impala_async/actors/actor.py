@@ -35,6 +35,7 @@ class ActorConfig:
     envs_per_actor: int = 16
     codec: str = wire.CODEC_LZ4
     send_hwm_messages: int = 4
+    send_buffer_bytes: int = 0  # ZMQ_SNDBUF (0: the system's)
     max_weights_bytes: int = 256 << 20
     max_wait_for_weights_s: float = 600.0
     parent_pid: int = 0  # exit when this process goes away (local actors)
@@ -180,6 +181,8 @@ def run(cfg: ActorConfig) -> int:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(cfg.weights)
     push.setsockopt(zmq.SNDHWM, cfg.send_hwm_messages)
+    if cfg.send_buffer_bytes:
+        push.setsockopt(zmq.SNDBUF, cfg.send_buffer_bytes)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(cfg.learner)
     try:

@@ -112,6 +112,8 @@ class LearnerServer:
         secure = self._start_authentication()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, cfg.receive_hwm_messages)
+        if cfg.receive_buffer_bytes:
+            self.pull.setsockopt(zmq.RCVBUF, cfg.receive_buffer_bytes)
         self.pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
         self.pull.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.handshake_timeout_s * 1000))
         self.pull.setsockopt(zmq.LINGER, 0)

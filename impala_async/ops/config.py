@@ -91,6 +91,12 @@ class LearnerConfig:
                           "'learner', a free loopback port for 'train')")
     publish: str = opt("", "ZeroMQ address weights go out on (PUB; default: the listen port + 1)")
     receive_hwm_messages: int = opt(8, "ZMQ_RCVHWM: messages queued per connected actor before it must wait")
+    receive_buffer_bytes: int = opt(0, "ZMQ_RCVBUF of the trajectory socket, the kernel's receive buffer per "
+                                       "connection (0: the system's, which grows to megabytes: hundreds of small "
+                                       "messages, that is policy lag, queue there when training falls behind)")
+    actor_send_hwm_messages: int = opt(4, "ZMQ_SNDHWM of local actors: messages an actor queues before it waits")
+    actor_send_buffer_bytes: int = opt(0, "ZMQ_SNDBUF of local actors, the kernel's send buffer (0: the "
+                                          "system's); small buffers with --when-full wait keep policy lag small")
     curve_keys: str = opt("", "directory with learner.key_secret and allowed/*.key: CurveZMQ on both sockets, only "
                               "actors whose public key is in allowed/ get in (see README, Security)")
     insecure: int = opt(0, "1: allow binding a non-loopback address without --curve-keys")
@@ -214,6 +220,9 @@ class LearnerConfig:
         need(self.max_policy_lag >= 1, "max_policy_lag must be >= 1: 0 would drop everything the actors send")
         need(self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024")
         need(self.receive_hwm_messages >= 1, "receive_hwm_messages must be >= 1")
+        need(self.actor_send_hwm_messages >= 1, "actor_send_hwm_messages must be >= 1")
+        need(self.receive_buffer_bytes >= 0 and self.actor_send_buffer_bytes >= 0,
+             "receive_buffer_bytes and actor_send_buffer_bytes must be >= 0 (0: the system's default)")
         need(self.max_trajectories_per_message >= 0, "max_trajectories_per_message must be >= 0 (0: auto)")
         for name in ("max_episodes_per_message", "max_actor_id_bytes", "max_tracked_actors", "max_connections",
                      "max_subscriptions_per_connection", "max_episode_length_steps", "max_checkpoint_bytes"):
