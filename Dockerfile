@@ -43,6 +43,15 @@ WORKDIR /data
 # unless given --listen/--publish; a non-loopback address needs --curve-keys (or --insecure 1).
 EXPOSE 5555 5556
 
+# /metrics and /healthz (README, Operations): every learner, `train` or actor supervisor in the container serves them
+# on 127.0.0.1:9481 inside it (plain HTTP, so loopback unless --metrics-host says otherwise; publishing it needs
+# --metrics-host 0.0.0.0 and `-p 127.0.0.1:9481:9481`). IMPALA_ASYNC_METRICS_PORT=0 turns it off.
+ENV IMPALA_ASYNC_METRICS_PORT=9481
+EXPOSE 9481
+# `impala-async healthcheck` GETs /healthz on that port: exit 0 on 200, 1 otherwise (no curl in the image). The
+# start period covers interpreter start, torch import and the actors' first heartbeats.
+HEALTHCHECK --interval=30s --timeout=10s --start-period=120s --retries=3 CMD ["impala-async", "healthcheck"]
+
 # SIGINT and SIGTERM both make the learner stop intake, write a final checkpoint, stop its actors and exit 0
 # within --shutdown-timeout-s (10 s by default); give `docker stop` more than that (--stop-timeout 30).
 STOPSIGNAL SIGTERM

@@ -5,6 +5,7 @@
     impala-async actor --learner tcp://HOST:5555              actors on another machine
     impala-async keygen DIR [--name learner|actor]            CurveZMQ key pair for authenticated actors
     impala-async eval --checkpoint RUN_DIR [--video DIR]      play a checkpoint's policy, report its returns
+    impala-async healthcheck                                  exit 0 if /healthz answers 200 (Docker HEALTHCHECK)
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from .ops.config import LearnerConfig, add_arguments, from_arguments  # noqa: E402
+from .ops.config import (  # noqa: E402
+    PER_INVOCATION_FIELDS,
+    LearnerConfig,
+    add_arguments,
+    env_metrics_host,
+    env_metrics_port,
+    from_arguments,
+    metrics_address_problem,
+)
 
 log = logging.getLogger("impala_async")
 
@@ -50,6 +59,10 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
         cfg.listen = cfg.listen or default_listen
         cfg.publish = cfg.publish or _default_publish(cfg.listen)
         cfg.check()
+        if cfg.tensorboard:
+            from .learner import tboard
+            if tboard.missing():
+                raise ValueError(tboard.missing())
         auth.refuse_insecure(cfg.listen, cfg.publish, bool(cfg.curve_keys), bool(cfg.insecure))
         keys = auth.load_learner_keys(cfg.curve_keys) if cfg.curve_keys else None
     except (ValueError, OSError) as e:
@@ -143,6 +156,7 @@ def _config(args, **forced) -> tuple[LearnerConfig, dict | None]:
     names = {f.name for f in dataclasses.fields(LearnerConfig)}
     values = {k: v for k, v in state["config"].items() if k in names}
     values.update({k: getattr(args, k) for k in args.explicit if k in names})
+    values.update({k: getattr(args, k) for k in PER_INVOCATION_FIELDS})  # this process's, never the checkpoint's
     if "listen" in args.explicit and "publish" not in args.explicit:
         values["publish"] = ""  # derived from the new --listen, not the old run's port
     values.update(forced, logdir=args.resume)
@@ -162,17 +176,22 @@ def cmd_learner(args) -> int:
 def cmd_actor(args) -> int:
     import signal
 
-    from .actors import actor
+    from .actors import actor, observe
     from .actors.procs import ActorProcesses, actor_argv
 
+    # A supervised child never serves /healthz (its supervisor does; actor_argv also gives it --metrics-port 0).
+    serve_port = 0 if args.parent_pid else args.metrics_port
     try:  # refusals come before any process starts, as one line
         weights = args.weights or actor.weights_address(args.learner)
         if args.curve_keys:
             from .ops import auth
             auth.load_actor_keys(args.curve_keys)
+        problem = metrics_address_problem(serve_port, args.metrics_host)
+        if problem:
+            raise ValueError(problem)
     except (ValueError, OSError) as e:
         raise SystemExit(f"impala-async: {e}") from None
-    if args.num_actors == 1:
+    if args.num_actors == 1 and not serve_port:  # with a metrics port, even one actor runs under the supervisor
         return actor.run(actor.ActorConfig(
             learner=args.learner, weights=weights, index=args.index, seed=args.seed,
             envs_per_actor=args.envs_per_actor, codec=args.codec, parent_pid=args.parent_pid,
@@ -189,12 +208,24 @@ def cmd_actor(args) -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
+    state, http = observe.SupervisorState(procs), None
+    if serve_port:  # before the actors start: a port that cannot be bound is refused at once
+        try:
+            http = observe.serve(state, args.metrics_host, serve_port, max_connections=args.max_metrics_connections,
+                                 request_timeout_s=args.metrics_request_timeout_s,
+                                 max_request_bytes=args.max_metrics_request_bytes)
+        except OSError as e:
+            raise SystemExit(f"impala-async: cannot serve /healthz on {args.metrics_host}:{serve_port} "
+                             f"(--metrics-host, --metrics-port): {e}") from None
     procs.start()
     print(f"impala-async: {args.num_actors} actors -> {args.learner} (weights from {weights})", flush=True)
     while not stopping:
         procs.check()
         time.sleep(0.2)
+    state.stopping = True  # /healthz: 503 from here on
     procs.stop(5.0)
+    if http is not None:
+        http.close()
     return 0
 
 
@@ -207,6 +238,31 @@ def cmd_keygen(args) -> int:
         raise SystemExit(f"impala-async: {e}") from None
     print(f"wrote {public} (public: share it) and {secret} (secret, mode 0600: keep it here)")
     return 0
+
+
+def cmd_healthcheck(args) -> int:
+    """GET /healthz of the learner or actor supervisor on this machine: exit 0 on 200, 1 otherwise."""
+    from .ops import httpd
+
+    if not 1 <= args.metrics_port <= 65535:
+        print(f"impala-async healthcheck: no metrics port (got {args.metrics_port}): give --metrics-port or set "
+              f"IMPALA_ASYNC_METRICS_PORT", file=sys.stderr)
+        return 1
+    try:
+        status, body = httpd.probe(args.metrics_host, args.metrics_port, args.path, args.timeout_s)
+    except OSError as e:
+        print(f"impala-async healthcheck: {args.metrics_host}:{args.metrics_port}: {e}", file=sys.stderr)
+        return 1
+    print(f"{status} {body.strip()}")
+    return 0 if status == 200 else 1
+
+
+def _add_metrics_flags(p: argparse.ArgumentParser) -> None:
+    """--metrics-port and --metrics-host, defaulting to the environment as the learner's do (ops/config.py)."""
+    p.add_argument("--metrics-port", type=int, default=env_metrics_port(), help=(
+        "serve /healthz and /metrics on this TCP port (0: off; default: $IMPALA_ASYNC_METRICS_PORT, else 0)"))
+    p.add_argument("--metrics-host", default=env_metrics_host(), help=(
+        "address of the metrics port (default: $IMPALA_ASYNC_METRICS_HOST, else 127.0.0.1)"))
 
 
 def cmd_eval(args) -> int:
@@ -286,7 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--heartbeat-interval-s", type=float, default=1.0,
                      help="actors report that they are alive this often (default: 1)")
     act.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
-                     help="with --num-actors > 1: replace an actor silent for this long (default: 10)")
+                     help="with --num-actors > 1 or a metrics port (the supervisor): replace an actor silent "
+                          "for this long (default: 10)")
+    _add_metrics_flags(act)
+    defaults = {f.name: f.default for f in dataclasses.fields(LearnerConfig)}
+    act.add_argument("--max-metrics-connections", type=int, default=defaults["max_metrics_connections"],
+                     help="metrics HTTP connections answered at once (default: %(default)s)")
+    act.add_argument("--metrics-request-timeout-s", type=float, default=defaults["metrics_request_timeout_s"],
+                     help="a metrics HTTP request must be answered within this long (default: %(default)s)")
+    act.add_argument("--max-metrics-request-bytes", type=int, default=defaults["max_metrics_request_bytes"],
+                     help="a longer metrics HTTP request head is refused (default: %(default)s)")
     act.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     act.add_argument("--heartbeat-fd", type=int, default=-1, help=argparse.SUPPRESS)
     act.set_defaults(func=cmd_actor)
@@ -298,6 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--name", default="learner", help="file name stem: learner or actor (default: learner)")
     keygen.set_defaults(func=cmd_keygen)
     _add_eval(sub)
+    hc = sub.add_parser("healthcheck", help="exit 0 if the local learner or actor supervisor is healthy", description=(
+        "GET /healthz from the metrics port of a learner or actor supervisor on this machine (the Docker "
+        "HEALTHCHECK): print the answer, exit 0 on 200 and 1 on anything else or no answer."))
+    _add_metrics_flags(hc)
+    hc.add_argument("--path", default="/healthz", help="the path to GET (default: /healthz)")
+    hc.add_argument("--timeout-s", type=float, default=5.0, help="give up after this long (default: 5)")
+    hc.set_defaults(func=cmd_healthcheck)
     return p
 
 

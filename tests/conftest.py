@@ -1,6 +1,13 @@
+import os
+
 import pytest
 
 from impala_async.core.spec import TrajectorySpec
+
+# The Docker image sets these for every command it runs; tests start many learners at once, each with ports of its
+# own, so a shared default would make them collide (tests that want a metrics port pass --metrics-port themselves).
+for _name in ("IMPALA_ASYNC_METRICS_PORT", "IMPALA_ASYNC_METRICS_HOST"):
+    os.environ.pop(_name, None)
 
 
 @pytest.fixture

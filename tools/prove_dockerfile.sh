@@ -10,7 +10,10 @@
 #
 # Checks, each printed as PASS/FAIL: the default command learns CartPole (mean return >= 475) and exits 0;
 # ALE/Pong-v5 trains on a tiny budget; SIGTERM writes a final checkpoint and exits 0 within 15 s with no process
-# left; the process runs as uid 1000; the learner refuses a public address without CURVE keys.
+# left; the process runs as uid 1000; the learner refuses a public address without CURVE keys; the image has its
+# HEALTHCHECK, ENV IMPALA_ASYNC_METRICS_PORT=9481 and EXPOSE 9481, and the HEALTHCHECK's own command succeeds
+# against a learner running from the image and fails once none runs. (The chroot shares this machine's network:
+# port 9481 on its loopback must be free.)
 #
 # Env: BASE_IMAGE (default: a Debian bookworm + python3 image made here with debootstrap), TORCH_SPEC (default
 # torch==2.13.0, taken from /opt/wheels where it exists), KEEP=1 keeps the image.
@@ -47,7 +50,8 @@ if [ -d /opt/wheels ]; then
 fi
 build_mounts+=(-v "$pip_conf:/etc/pip.conf:ro")
 start=$(date +%s)
-podman build --isolation chroot "${build_mounts[@]}" --build-arg BASE_IMAGE="$BASE_IMAGE" \
+# --format docker: the OCI image format has no HEALTHCHECK (podman would drop it with a warning).
+podman build --format docker --isolation chroot "${build_mounts[@]}" --build-arg BASE_IMAGE="$BASE_IMAGE" \
   --build-arg TORCH_SPEC="$TORCH_SPEC" -t "$IMAGE" . > "$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; exit 1; }
 echo "built $IMAGE in $(( $(date +%s) - start )) s; size $(podman image inspect "$IMAGE" --format '{{.Size}}' |
   awk '{printf "%.0f MB", $1 / 1e6}')"
@@ -60,6 +64,14 @@ mapfile -t image_env < <(inspect '{{range .Config.Env}}{{println .}}{{end}}' | s
 mapfile -t entrypoint < <(inspect '{{range .Config.Entrypoint}}{{println .}}{{end}}' | sed '/^$/d')
 mapfile -t default_cmd < <(inspect '{{range .Config.Cmd}}{{println .}}{{end}}' | sed '/^$/d')
 echo "USER=$user WORKDIR=$workdir ENTRYPOINT=${entrypoint[*]} CMD=${default_cmd[*]}"
+# HEALTHCHECK and exposed ports, read from the inspect JSON (podman puts the healthcheck beside Config, not in it)
+podman image inspect "$IMAGE" > "$WORK/inspect.json"
+mapfile -t health_cmd < <(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d=d[0] if isinstance(d,list) else d
+h=d.get("Healthcheck") or d.get("HealthCheck") or (d.get("Config") or {}).get("Healthcheck") or {}
+t=h.get("Test") or []; print("\n".join(t[1:] if t[:1]==["CMD"] else []))' "$WORK/inspect.json")
+exposed=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d=d[0] if isinstance(d,list) else d
+print(" ".join(sorted((d.get("Config") or {}).get("ExposedPorts") or {})))' "$WORK/inspect.json")
+echo "HEALTHCHECK CMD=${health_cmd[*]:-none} EXPOSE=$exposed"
 
 # ---- a container's filesystem: the image read-only below, a writable layer above, /data/runs from the host
 lower=$(podman image mount "$IMAGE")
@@ -82,13 +94,19 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# run_in_image LIMIT_S LOG ARGS...: the entry point with ARGS (none: the image's CMD), as the image's user, in its
-# WORKDIR, stopped after LIMIT_S seconds
+# run_argv_in_image LIMIT_S LOG ARGV...: ARGV as the image's user, in its WORKDIR, with its ENV, stopped after
+# LIMIT_S seconds (how Docker runs a HEALTHCHECK CMD: without the entry point)
+run_argv_in_image() {
+  local limit=$1 log=$2; shift 2
+  timeout -k 5 "$limit" chroot --userspec="$uid:$uid" "$root" /usr/bin/env -i HOME="/home/$user" "${image_env[@]}" \
+    /bin/sh -c 'cd "$0" && exec "$@"' "$workdir" "$@" > "$log" 2>&1
+}
+
+# run_in_image LIMIT_S LOG ARGS...: the entry point with ARGS (none: the image's CMD), likewise
 run_in_image() {
   local limit=$1 log=$2; shift 2
   local args=("$@"); [ ${#args[@]} -gt 0 ] || args=("${default_cmd[@]}")
-  timeout -k 5 "$limit" chroot --userspec="$uid:$uid" "$root" /usr/bin/env -i HOME="/home/$user" "${image_env[@]}" \
-    /bin/sh -c 'cd "$0" && exec "$@"' "$workdir" "${entrypoint[@]}" "${args[@]}" > "$log" 2>&1
+  run_argv_in_image "$limit" "$log" "${entrypoint[@]}" "${args[@]}"
 }
 
 best_return() {  # the best mean return in the newest metrics.jsonl under runs/
@@ -118,6 +136,9 @@ pid=$(pgrep -f -- "--logdir /data/runs/stop" | while read -r p; do
   [ "$(readlink "/proc/$p/root")" = "$root" ] && [ "$(awk '/^Uid/{print $2}' "/proc/$p/status")" = "$uid" ] &&
   grep -q impala-async "/proc/$p/cmdline" && echo "$p"; done | head -1)
 check "the learner runs as uid $uid (USER $user), not root" '[ -n "$pid" ]'
+rc=0; run_argv_in_image 60 "$WORK/health-up.log" "${health_cmd[@]}" || rc=$?
+check "HEALTHCHECK (${health_cmd[*]}) succeeds against the running learner [rc=$rc: $(head -c 80 "$WORK/health-up.log")]" \
+  '[ "${#health_cmd[@]}" -gt 0 ] && [ "$rc" = 0 ] && grep -q "^200 ok" "$WORK/health-up.log"'
 t0=$SECONDS; kill -TERM "$pid" 2>/dev/null || true
 rc=0; timeout 20 tail --pid="$runner" -f /dev/null || rc=124; wait "$runner" || rc=$?
 stop_s=$((SECONDS - t0))
@@ -125,11 +146,18 @@ check "SIGTERM: exit 0 within 15 s [rc=$rc, ${stop_s} s]" '[ "$rc" = 0 ] && [ "$
 check "SIGTERM: a final checkpoint was written" '[ -n "$(ls "$WORK"/runs/stop/checkpoint-*.pt 2>/dev/null)" ]'
 left=$(for p in /proc/[0-9]*; do [ "$(readlink "$p/root" 2>/dev/null)" = "$root" ] && basename "$p"; done || true)
 check "SIGTERM: no process left in the image [${left:-none}]" '[ -z "$left" ]'
+rc=0; run_argv_in_image 60 "$WORK/health-down.log" "${health_cmd[@]}" || rc=$?
+check "HEALTHCHECK fails with no learner running [rc=$rc]" '[ "${#health_cmd[@]}" -gt 0 ] && [ "$rc" = 1 ]'
 
 # 4. refusal to listen publicly without CURVE
 rc=0; run_in_image 120 "$WORK/refuse.log" learner --listen tcp://0.0.0.0:5555 || rc=$?
 check "learner on 0.0.0.0 without --curve-keys refuses to start [rc=$rc]" \
   '[ "$rc" != 0 ] && [ "$rc" != 124 ] && grep -qi curve "$WORK/refuse.log"'
+
+# 5. the image's metrics configuration
+check "HEALTHCHECK is impala-async healthcheck [${health_cmd[*]:-none}]" '[ "${health_cmd[*]}" = "impala-async healthcheck" ]'
+check "EXPOSE 9481 [$exposed]" '[[ " $exposed " == *" 9481/tcp "* ]]'
+check "ENV IMPALA_ASYNC_METRICS_PORT=9481" 'printf "%s\n" "${image_env[@]}" | grep -qx IMPALA_ASYNC_METRICS_PORT=9481'
 
 echo "$fails check(s) failed"
 [ "$fails" = 0 ]

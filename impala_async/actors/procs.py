@@ -81,7 +81,17 @@ class ActorProcesses:
         return len(self._children)
 
     def alive(self) -> int:
-        return sum(1 for c in self._children if c.proc is not None and c.proc.poll() is None)
+        """Actor processes running now. Safe from another thread (a /metrics scrape): each child's process is read
+        once, as check() may set it to None meanwhile."""
+        return sum(1 for c in self._children if (p := c.proc) is not None and p.poll() is None)
+
+    def heartbeating(self, now: float | None = None) -> int:
+        """Actor processes running that have sent a heartbeat within heartbeat_timeout_s (as of the last check());
+        one that has not sent its first yet does not count. Safe from another thread, as alive()."""
+        now = time.monotonic() if now is None else now
+        return sum(1 for c in self._children
+                   if (p := c.proc) is not None and c.beats and now - c.last_beat <= self.heartbeat_timeout_s
+                   and p.poll() is None)
 
     def all_given_up(self) -> bool:
         return bool(self._children) and len(self.gave_up) == len(self._children)
@@ -156,4 +166,6 @@ def actor_argv(learner: str, weights: str, index: int, heartbeat_fd: int, *, see
     return [sys.executable, "-m", "impala_async", "actor", "--learner", learner, "--weights", weights,
             "--index", str(index), "--seed", str(seed), "--envs-per-actor", str(envs_per_actor),
             "--parent-pid", str(os.getpid()), "--heartbeat-fd", str(heartbeat_fd),
-            "--heartbeat-interval-s", str(heartbeat_interval_s), *extra]
+            "--heartbeat-interval-s", str(heartbeat_interval_s),
+            "--metrics-port", "0",  # the supervisor serves /healthz; children must not take its port from the env
+            *extra]

@@ -28,7 +28,7 @@ from ..core import wire
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
 from ..ops.config import LearnerConfig
-from . import checkpoint, curriculum
+from . import checkpoint, curriculum, prom
 from .guard import ConnectionGuard, guard_source, release_memory
 from .ingest import Histogram, Ingest
 from .learn import Learner
@@ -78,6 +78,12 @@ class LearnerServer:
         self.loop_lag_s = Histogram()
         self.stage_s = {"receive": 0.0}
         self.reporter = Reporter(self, start_monotonic)
+        # Read from the metrics HTTP thread (prom.py): cumulative histograms, the last record, the receive loop's
+        # heartbeat (monotonic time it last went round); the HTTP server and the TensorBoard writer, if on.
+        self.totals = prom.Totals()
+        self.last_record: dict | None = None
+        self.receive_beat: float | None = None
+        self.http = self.tboard = None
         # Shared with the training thread.
         self._stats_lock = threading.Lock()
         self._stats: list[dict] = []
@@ -139,6 +145,7 @@ class LearnerServer:
             raise RuntimeError("the initial weights are not finite")
         self.publisher.publish(weights)
         self.trainer.start()
+        prom.start(self)  # TensorBoard writer, /metrics and /healthz, if asked for
         log.info("learner: trajectories in on %s, weights out on %s, logdir %s, device %s%s",
                  self.listen_endpoint, self.publish_endpoint, self.logdir, self.device,
                  ", ingest only" if self.cfg.ingest_only else "")
@@ -146,6 +153,10 @@ class LearnerServer:
               flush=True)
         if self.actors is not None:
             self.actors.start()
+
+    def stopping(self) -> bool:
+        """Whether shutdown has begun (read by /healthz from its own thread)."""
+        return hasattr(self, "_stop") and self._stop.is_set()
 
     def _start_authentication(self):
         """With keys: start the ZAP authenticator (before any bind: no window without it) and return the function that
@@ -258,6 +269,10 @@ class LearnerServer:
             if hasattr(self, "metrics"):
                 self.metrics.close()
                 self.checkpoints.close()
+            if self.tboard is not None:
+                self.tboard.close(min(2.0, self.cfg.shutdown_timeout_s / 4))
+            if self.http is not None:  # last: /healthz answers 503 all through the shutdown
+                self.http.close()
             timer.cancel()
         log.info("learner stopped: %s", self.exit_reason)
 
@@ -275,6 +290,7 @@ class LearnerServer:
         recv_s = 0.0
         try:
             while not self._stop.is_set():
+                self.receive_beat = time.monotonic()  # /healthz: at least every 0.1 s unless the loop is stalled
                 if not ingest.continue_pending():
                     self._room.clear()
                     if not self.ring.writable():  # the trainer may have released a slot meanwhile
@@ -323,6 +339,7 @@ class LearnerServer:
         with self._stats_lock:
             self._stats.append(stats)
             self._lags.append((int(lag.min()), float(lag.mean()), int(lag.max())))
+        self.totals.add(stats, lag)
 
     def _after_update(self) -> bool:
         now = time.monotonic()
@@ -432,6 +449,9 @@ class LearnerServer:
             lags, self._lags = self._lags, []
         rec = self.reporter.record(stats, lags)
         self.metrics.write(rec)
+        self.last_record = rec
+        if self.tboard is not None:
+            self.tboard.write(rec)  # queued for its own thread
         for text in self.watch.feed(rec):  # policy-collapse warnings, rate-limited (watch.py)
             log.warning(text)
         self.progress.show(rec)

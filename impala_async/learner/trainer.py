@@ -46,11 +46,15 @@ class Trainer:
         self.batches = 0
         self.stage_s = {"h2d": 0.0, "train": 0.0}  # cumulative seconds
         self.error: BaseException | None = None
+        # Monotonic time the thread last went round its loop (at least every 0.1 s while it waits for a batch, once
+        # per update while it trains): /healthz tells a hung thread from a waiting one by it.
+        self.heartbeat = time.monotonic()
         self._stop = threading.Event()
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
 
     def start(self) -> None:
+        self.heartbeat = time.monotonic()
         self._thread.start()
 
     def alive(self) -> bool:
@@ -92,6 +96,7 @@ class Trainer:
         try:
             staged = None
             while not self._stop.is_set():
+                self.heartbeat = time.monotonic()
                 if staged is None:
                     staged = self._next(0.1)
                     if staged is None:

@@ -31,6 +31,41 @@ def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     return n
 
 
+# Where /metrics and /healthz are served (README, Operations): the environment gives the defaults, so that a container
+# image can turn them on for every command it runs; a flag still wins.
+METRICS_PORT_ENV, METRICS_HOST_ENV = "IMPALA_ASYNC_METRICS_PORT", "IMPALA_ASYNC_METRICS_HOST"
+
+
+def env_metrics_port() -> int:
+    """The default metrics port: IMPALA_ASYNC_METRICS_PORT, else 0 (off); -1 if that variable is not a number (the
+    config check then names it)."""
+    raw = os.environ.get(METRICS_PORT_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        return int(raw)
+    except ValueError:
+        return -1
+
+
+def env_metrics_host() -> str:
+    return os.environ.get(METRICS_HOST_ENV, "").strip() or "127.0.0.1"
+
+
+def metrics_address_problem(port: int, host: str) -> str | None:
+    """Why ``port``/``host`` cannot be served (None if they can), naming the environment variable they came from."""
+    if not 0 <= port <= 65535:
+        source = f" (from {METRICS_PORT_ENV}={os.environ.get(METRICS_PORT_ENV)!r})" if os.environ.get(
+            METRICS_PORT_ENV) else ""
+        return f"metrics_port must be 0 (off) or a TCP port 1-65535, got {port}{source}"
+    if port and not host:
+        return "metrics_host must be an address to bind, e.g. 127.0.0.1"
+    return None
+
+
+# Fields about this process, not the run: a resumed run takes them from its own command line and environment, never
+# from the checkpoint's configuration (a learner restarted in another container must not reuse the old port).
+PER_INVOCATION_FIELDS = ("metrics_port", "metrics_host")
 CURRICULA = ("none", "linear")  # --curriculum: the schedules of learner/curriculum.py, and none
 OBS_CODECS = ("lz4", "jpeg")  # --obs-codec: how actors are asked to send image observations (core/codecs.py)
 
@@ -171,6 +206,24 @@ class LearnerConfig:
                                             "trained and the one that acted disagree by 2x on the action taken "
                                             "(healthy runs: near 0; 0: off)")
     collapse_warn_interval_s: float = opt(60.0, "at most one warning of each kind (entropy, drift) this often")
+    # ---- operations: /metrics, /healthz, TensorBoard (README, Operations; docs/metrics.md, Prometheus)
+    metrics_port: int = opt(env_metrics_port(), "serve Prometheus /metrics and /healthz over plain HTTP on this TCP "
+                                                "port (0: off; default: $IMPALA_ASYNC_METRICS_PORT, else 0)")
+    metrics_host: str = opt(env_metrics_host(), "address the metrics port binds (default: $IMPALA_ASYNC_METRICS_HOST, "
+                                                "else 127.0.0.1; nothing authenticates it, see README, Operations)")
+    max_metrics_connections: int = opt(8, "metrics HTTP connections answered at once; more are answered 503")
+    max_metrics_request_bytes: int = opt(8192, "a metrics HTTP request head (request line and headers) longer than "
+                                               "this is refused (431)")
+    metrics_request_timeout_s: float = opt(5.0, "a metrics HTTP request must be read and answered within this long "
+                                                "or its connection is closed")
+    health_stale_s: float = opt(60.0, "/healthz answers 503 when the training thread or the receive loop has not "
+                                      "made progress for this long (one update, and a checkpoint write, must fit in "
+                                      "it: both run on the training thread)")
+    tensorboard: int = opt(0, "1: also write every metrics.jsonl figure as TensorBoard events under "
+                              "LOGDIR/tensorboard (needs pip install 'impala-async[tensorboard]')")
+    tensorboard_flush_interval_s: float = opt(10.0, "TensorBoard events reach the disk at least this often")
+    max_tensorboard_queue_records: int = opt(100, "metrics records waiting for the TensorBoard writer thread; one "
+                                                  "more is dropped (and a warning logged) rather than waited for")
     # ---- curriculum (learner/curriculum.py; the source article, section 5.2)
     curriculum: str = opt("none", "environment difficulty by the episodes actors finished: none, or linear "
                                   "(curriculum_start to curriculum_end over curriculum_episodes); the value travels "
@@ -259,6 +312,16 @@ class LearnerConfig:
         need(math.isfinite(self.curriculum_start) and math.isfinite(self.curriculum_end),
              "curriculum_start and curriculum_end must be finite: they travel to actors as difficulties")
         need(self.curriculum_episodes >= 1, "curriculum_episodes must be >= 1")
+        problem = metrics_address_problem(self.metrics_port, self.metrics_host)
+        need(problem is None, problem)
+        need(self.max_metrics_connections >= 1, "max_metrics_connections must be >= 1")
+        need(self.max_metrics_request_bytes >= 256, "max_metrics_request_bytes must be >= 256: a GET with its usual "
+                                                    "headers would be refused")
+        for name in ("metrics_request_timeout_s", "health_stale_s", "tensorboard_flush_interval_s"):
+            v = getattr(self, name)
+            need(math.isfinite(v) and v > 0, f"{name} must be a finite number > 0, got {v}")
+        need(self.tensorboard in (0, 1), "tensorboard must be 0 or 1")
+        need(self.max_tensorboard_queue_records >= 1, "max_tensorboard_queue_records must be >= 1")
         need(self.checkpoint_keep >= 1, "checkpoint_keep must be >= 1: the newest checkpoint is the one resume needs")
         try:
             sizes = self.hidden_size_tuple
