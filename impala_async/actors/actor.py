@@ -42,6 +42,7 @@ class ActorConfig:
     heartbeat_fd: int = -1  # write end of the supervisor's heartbeat pipe (local actors)
     heartbeat_interval_s: float = 1.0
     curve_keys: str = ""  # directory with actor.key_secret and learner.key: connect with CURVE
+    max_pace_wait_s: float = 60.0  # flow control: the longest an actor waits between two unrolls for the pace
 
 
 def weights_address(learner: str) -> str:
@@ -230,8 +231,10 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
     episodes: list[tuple[float, int]] = []
     seq = 0
     state = policy.initial_state(K)  # carried across unrolls; reset where an episode begins
+    pace = first.pace_s_per_trajectory  # flow control: the least seconds per trajectory between unroll starts
     log.info("actor %d (%s): %d x %s, policy version %d", cfg.index, actor_id, K, run_info["env_id"], policy.version)
     while not stop.requested:
+        unroll_start = time.monotonic()
         obs_buf[:, 0] = obs
         buf["truncation_value"][:] = 0.0
         if spec.core_state_size:  # the state the core processes obs[0] with
@@ -288,11 +291,21 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
                 break
             seq += 1
             episodes = []
-        watch.poll()
-        newer = _receive_weights(sub, cfg.max_weights_bytes, 0, have=(policy.version, policy.incarnation))
-        if newer is not None:
-            policy.load(newer)
-            difficulty = difficulty if newer.difficulty is None else newer.difficulty
+        # Newer weights, then, while the learner's pace says this actor is ahead, wait for the pace (taking weights
+        # that arrive meanwhile: the next unroll then acts with a fresher policy). docs/protocol.md, Flow control.
+        wait_ms = 0
+        while True:
+            watch.poll()
+            beat()
+            newer = _receive_weights(sub, cfg.max_weights_bytes, wait_ms, have=(policy.version, policy.incarnation))
+            if newer is not None:
+                policy.load(newer)
+                difficulty = difficulty if newer.difficulty is None else newer.difficulty
+                pace = newer.pace_s_per_trajectory
+            left_s = unroll_start + min(K * pace, cfg.max_pace_wait_s) - time.monotonic()
+            if left_s <= 0 or stop.requested:
+                break
+            wait_ms = max(1, min(100, int(left_s * 1000)))
     for env in envs:
         env.close()
     return 0

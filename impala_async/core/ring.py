@@ -141,6 +141,11 @@ class TrajectoryRing:
         with self._cond:
             return len(self._ready)
 
+    def waiting_trajectories(self) -> int:
+        """Trajectories committed and not yet handed to the reader: READY batches and the rows of the one filling."""
+        with self._cond:
+            return len(self._ready) * self.batch_size + (self._row if self._filling is not None else 0)
+
     def close(self) -> None:
         """Wake any reader blocked in :meth:`get`; it returns None from now on once READY batches run out."""
         with self._cond:

@@ -408,6 +408,7 @@ class WeightsMessage(NamedTuple):
     run_info: dict
     tensors: dict  # name -> np.ndarray
     difficulty: float | None = None  # the learner's curriculum value (None: no curriculum)
+    pace_s_per_trajectory: float = 0.0  # flow control: least seconds per trajectory between unroll starts (0: none)
 
 
 def new_incarnation() -> int:
@@ -416,9 +417,10 @@ def new_incarnation() -> int:
 
 
 def encode_weights(version: int, tensors: dict[str, np.ndarray], run_info: dict, incarnation: int,
-                   difficulty: float | None = None) -> bytes:
+                   difficulty: float | None = None, pace_s_per_trajectory: float = 0.0) -> bytes:
     """``tensors``: name -> array (as in a model's state_dict), sent uncompressed, little-endian. ``difficulty``: the
-    curriculum's value, written after ``incarnation`` (left out when None)."""
+    curriculum's value, written after ``incarnation`` (left out when None); ``pace_s_per_trajectory``: the flow
+    control's pace (learner/pacing.py), written next (left out when 0)."""
     out = {}
     for name, a in tensors.items():
         a = np.ascontiguousarray(a)
@@ -427,6 +429,8 @@ def encode_weights(version: int, tensors: dict[str, np.ndarray], run_info: dict,
     msg = {"v": PROTOCOL_VERSION, "type": TYPE_WEIGHTS, "version": int(version), "incarnation": int(incarnation)}
     if difficulty is not None:
         msg["difficulty"] = float(difficulty)
+    if pace_s_per_trajectory:
+        msg["pace_s_per_trajectory"] = float(pace_s_per_trajectory)
     return msgpack.packb({**msg, "run": run_info, "tensors": out}, use_bin_type=True)
 
 
@@ -482,7 +486,10 @@ def decode_weights(buf, max_message_bytes: int) -> WeightsMessage:
             if type(difficulty) not in (float, int) or not _ISFINITE(difficulty):
                 raise ValueError("difficulty is not a finite number")
             difficulty = float(difficulty)
-        return WeightsMessage(int(msg["version"]), incarnation, dict(msg["run"]), tensors, difficulty)
+        pace = msg.get("pace_s_per_trajectory", 0.0)  # optional: absent when the learner does not pace actors
+        if type(pace) not in (float, int) or not _ISFINITE(pace) or pace < 0:
+            raise ValueError("pace_s_per_trajectory is not a finite number >= 0")
+        return WeightsMessage(int(msg["version"]), incarnation, dict(msg["run"]), tensors, difficulty, float(pace))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise Rejected("bad_field", f"weights: {type(e).__name__}: {e}") from None
 

@@ -25,6 +25,7 @@ from ..core.spec import TrajectorySpec
 from ..ops.config import LearnerConfig
 
 log = logging.getLogger("impala_async.learner.ingest")
+UNAUTHENTICATED = "unauthenticated"  # the key name trajectories_by_key counts under without CURVE
 
 
 class Histogram:
@@ -68,6 +69,9 @@ class Ingest:
         self.env_steps = 0  # steps in accepted trajectories
         self.trajectories_received = 0
         self.trajectories_jpeg = 0  # of which the observations (obs or frames) came as JPEG
+        # Trajectories of accepted messages by the name of the key they came with (the ZAP User-Id; without CURVE
+        # one bucket, UNAUTHENTICATED): bounded by the keys in allowed/, as only those get a message accepted.
+        self.trajectories_by_key: collections.Counter = collections.Counter()
         self._image_field = spec.fields[0].name  # obs or frames
         self.messages_received = 0
         self.bytes_received = 0
@@ -83,6 +87,7 @@ class Ingest:
         self.last_data_at: float | None = None  # monotonic time of the last accepted trajectory
         self.stage_s = {"parse": 0.0, "decode": 0.0}  # cumulative seconds on this thread
         self.latency_s = Histogram()  # actor's sent_at_ns -> trajectory in its ring slot
+        self.pacer = None  # learner/pacing.py's Pacer, told of every accepted message (flow control), if any
 
     @property
     def scratch_nbytes(self) -> int:
@@ -164,10 +169,13 @@ class Ingest:
         self._last_seq.move_to_end(key)
         if len(self._last_seq) > self.cfg.max_tracked_actors:
             self._last_seq.popitem(last=False)
+        self.trajectories_by_key[user_id if self.identities else UNAUTHENTICATED] += msg.n
         for ret, length in msg.episodes:
             self.returns.append(ret)
             self.lengths.append(length)
         self.episodes += len(msg.episodes)
+        if self.pacer is not None:
+            self.pacer.accepted(key, msg.n)
 
     def continue_pending(self) -> bool:
         """Copy what fits of the pending (scratch-decoded) message into the ring. True when nothing is pending."""

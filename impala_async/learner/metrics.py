@@ -12,6 +12,7 @@ import numpy as np
 
 from ..core.wire import REJECT_REASONS
 from .guard import CUT_REASONS
+from .ingest import UNAUTHENTICATED
 
 # Bin edges of the importance-weight histogram in the metrics (policy-collapse diagnosis: mass far from 1).
 RHO_BIN_EDGES = (0.0, 0.1, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, 10.0)
@@ -55,6 +56,7 @@ class Reporter:
             "trajectories_received": ing.trajectories_received,
             "trajectories_rejected": ing.trajectories_rejected,
             "trajectories_jpeg": ing.trajectories_jpeg,
+            "trajectories_by_key": trajectories_by_key(s),
             "messages_rejected": sum(ing.rejected.values()),
             "trajectories_dropped": (ring.dropped_full + ring.dropped_stale + ing.dropped_stale
                                      + ing.dropped_incarnation),
@@ -77,6 +79,10 @@ class Reporter:
                                        for k, v in cur["stages"].items()
                                        for n in [d_trained if k in s.trainer.stage_s else d_traj]},
             "ring_ready_batches": ring.ready_batches(),
+            "ring_waiting_trajectories": ring.waiting_trajectories(),
+            "pace_s_per_trajectory": round(s.pacer.pace_s_per_trajectory, 6),
+            "pace_senders": s.pacer.senders,
+            "pace_target_trajectories": round(s.pacer.target_now, 1),
             "ring_mib": round(ring.nbytes / 2**20, 2),
             "scratch_mib": round(ing.scratch_nbytes / 2**20, 2),
         }
@@ -114,6 +120,14 @@ class Reporter:
         s.loop_lag_s.reset()
         self._prev = cur
         return rec
+
+
+def trajectories_by_key(server) -> dict[str, int]:
+    """Trajectories of accepted messages by key name: every key in allowed/ (0 until it has sent), or the one
+    ``unauthenticated`` bucket without CURVE. Also read by the metrics HTTP thread (prom.py)."""
+    names = sorted(server.keys.allowed.values()) if server.keys is not None else [UNAUTHENTICATED]
+    counts = dict(server.ingest.trajectories_by_key)  # one C call: the event loop may be adding a key
+    return {**dict.fromkeys(names, 0), **counts}
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -20,7 +20,7 @@ from prometheus_client.registry import CollectorRegistry
 from ..core.wire import REJECT_REASONS
 from ..ops import httpd
 from .guard import CUT_REASONS
-from .metrics import RHO_BIN_EDGES
+from .metrics import RHO_BIN_EDGES, trajectories_by_key
 
 P = "impala_async_"
 # Upper bounds (le) of the policy-lag histogram, in versions.
@@ -122,6 +122,8 @@ class LearnerCollector:
         yield _counter("trajectories_rejected", "trajectories in rejected messages", ing.trajectories_rejected)
         yield _counter("trajectories_jpeg", "accepted trajectories whose observations came as JPEG",
                        ing.trajectories_jpeg)
+        yield _by("trajectories_by_key", "trajectories of accepted messages, by the name of the CURVE key they came "
+                  "with (allowed/NAME.key; unauthenticated without CURVE)", "key", trajectories_by_key(s))
         yield _by("trajectories_dropped", "trajectories dropped, by reason", "reason", {
             "full": ring.dropped_full, "stale": ring.dropped_stale + ing.dropped_stale,
             "incarnation": ing.dropped_incarnation})
@@ -134,8 +136,14 @@ class LearnerCollector:
                        ing.latency_implausible)
         stages = {**dict(s.stage_s), **dict(ing.stage_s), **dict(s.trainer.stage_s)}
         yield _by("stage_seconds", "seconds spent in each stage (per trajectory: divide by the rate of "
-                                   "trajectories received, or trained for h2d and train)", "stage", stages)
+                                   "trajectories received, or trained for h2d, train and wait)", "stage", stages)
         yield _gauge("ring_ready_batches", "full batches waiting for the training thread", ring.ready_batches())
+        yield _gauge("ring_waiting_trajectories", "trajectories in the ring not yet taken by the training thread",
+                     ring.waiting_trajectories())
+        yield _gauge("pace_seconds_per_trajectory", "flow control: the pace last sent to actors (0: none)",
+                     s.pacer.pace_s_per_trajectory)
+        yield _gauge("pace_senders", "flow control: actors whose messages were accepted within the pace window",
+                     s.pacer.senders)
         yield _gauge("ring_slots", "batch slots in the ring buffer", s.cfg.ring_batches)
         yield _gauge("ring_bytes", "size of the ring buffer", ring.nbytes)
         yield _gauge("scratch_bytes", "size of the decode scratch area", ing.scratch_nbytes)

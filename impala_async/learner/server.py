@@ -33,6 +33,7 @@ from .guard import ConnectionGuard, guard_source, release_memory
 from .ingest import Histogram, Ingest
 from .learn import Learner
 from .metrics import MetricsWriter, Progress, Reporter
+from .pacing import Pacer
 from .publisher import WeightsPublisher
 from .trainer import Trainer
 from .watch import CollapseWatch
@@ -74,6 +75,13 @@ class LearnerServer:
         # The curriculum's value follows from ingest.episodes (restored above): it travels with the weights.
         self.curriculum = curriculum.from_config(cfg)
         self.difficulty: float | None = None  # the value sent with the latest weights
+        # Flow control: the pace sent with the weights (pacing.py); told of arrivals by ingest, of batches here.
+        self.pacer = Pacer(cfg.pace_target_batches * cfg.batch_size if cfg.flow_control == "pace" else 0,
+                           cfg.pace_window_s, cfg.max_pace_s_per_trajectory,
+                           capacity_trajectories=cfg.ring_batches * cfg.batch_size,
+                           max_tracked_senders=cfg.max_tracked_actors)
+        self._waited_s = 0.0  # the training thread's wait for batches, at the last update
+        self.ingest.pacer = self.pacer
         self.watch = CollapseWatch.from_config(cfg, spec.num_actions, fresh=not resumed)
         self.loop_lag_s = Histogram()
         self.stage_s = {"receive": 0.0}
@@ -340,6 +348,9 @@ class LearnerServer:
             self._stats.append(stats)
             self._lags.append((int(lag.min()), float(lag.mean()), int(lag.max())))
         self.totals.add(stats, lag)
+        waited = self.trainer.stage_s["wait"]
+        self.pacer.consumed(len(lag), waited - self._waited_s)
+        self._waited_s = waited
 
     def _after_update(self) -> bool:
         now = time.monotonic()
@@ -374,8 +385,9 @@ class LearnerServer:
             return None
         if self.curriculum is not None:
             self.difficulty = self.curriculum.value(self.ingest.episodes)
+        pace = self.pacer.pace(self.ring.waiting_trajectories())
         return wire.encode_weights(self.trainer.policy_version, state, self.run_info, self.incarnation,
-                                   difficulty=self.difficulty)
+                                   difficulty=self.difficulty, pace_s_per_trajectory=pace)
 
     async def _republish_loop(self) -> None:
         """Apply subscriptions and send the latest weights again when actors have subscribed (they would otherwise

@@ -44,7 +44,7 @@ class Trainer:
         self._on_update, self._after_update, self._on_exit = on_update, after_update, on_exit
         self.policy_version = 0
         self.batches = 0
-        self.stage_s = {"h2d": 0.0, "train": 0.0}  # cumulative seconds
+        self.stage_s = {"h2d": 0.0, "train": 0.0, "wait": 0.0}  # cumulative seconds; wait: for a batch (starved)
         self.error: BaseException | None = None
         # Monotonic time the thread last went round its loop (at least every 0.1 s while it waits for a batch, once
         # per update while it trains): /healthz tells a hung thread from a waiting one by it.
@@ -68,7 +68,10 @@ class Trainer:
         return not self._thread.is_alive()
 
     def _next(self, timeout_s: float) -> Staged | None:
+        t0 = time.perf_counter()
         batch = self.ring.get(timeout_s, min_policy_version=self.policy_version - self.max_policy_lag)
+        if timeout_s:
+            self.stage_s["wait"] += time.perf_counter() - t0
         if batch is None:
             return None
         if not self.cuda:

@@ -67,6 +67,7 @@ def metrics_address_problem(port: int, host: str) -> str | None:
 # from the checkpoint's configuration (a learner restarted in another container must not reuse the old port).
 PER_INVOCATION_FIELDS = ("metrics_port", "metrics_host")
 CURRICULA = ("none", "linear")  # --curriculum: the schedules of learner/curriculum.py, and none
+FLOW_CONTROLS = ("pace", "none")  # --flow-control (learner/pacing.py)
 OBS_CODECS = ("lz4", "jpeg")  # --obs-codec: how actors are asked to send image observations (core/codecs.py)
 
 
@@ -167,7 +168,14 @@ class LearnerConfig:
     max_abs_truncation_value: float = opt(1e6, "clip truncation_value to +-this (reward-scaled units)")
     max_abs_logit: float = opt(1e3, "clip behaviour_logits to +-this")
     max_abs_obs: float = opt(1e6, "clip float observations to +-this")
-    ring_batches: int = opt(6, "batch slots in the ring buffer (>= 3)")
+    ring_batches: int = opt(8, "batch slots in the ring buffer (>= 3)")
+    flow_control: str = opt("pace", "pace: the weights tell actors how fast to act so that they produce what "
+                                    "training consumes (learner/pacing.py; actors slow down instead of being dropped), "
+                                    "or none (actors act as fast as they can; when_full decides what gives)")
+    pace_target_batches: float = opt(2.0, "pacing: batches the learner wants waiting in its ring (fewer: less policy "
+                                          "lag; too few and training waits for data)")
+    pace_window_s: float = opt(5.0, "pacing: the consumption rate and the number of actors are measured over this")
+    max_pace_s_per_trajectory: float = opt(10.0, "pacing: the slowest pace the learner asks for")
     when_full: str = opt("drop_oldest", "when every ring slot is taken: drop_oldest (the oldest waiting batch) or "
                                         "wait (stop reading; socket high-water marks then make actors wait)")
     # ---- intervals and timeouts
@@ -270,6 +278,12 @@ class LearnerConfig:
         need(self.ring_batches >= 3, "ring_batches must be >= 3 (one filling, one training, one waiting); with fewer "
                                      "the receiver and the trainer would wait on each other")
         need(self.when_full in ("drop_oldest", "wait"), "when_full must be drop_oldest or wait")
+        need(self.flow_control in FLOW_CONTROLS, f"flow_control must be one of {', '.join(FLOW_CONTROLS)}, got "
+                                                 f"{self.flow_control!r}")
+        need(math.isfinite(self.pace_target_batches) and self.pace_target_batches > 0,
+             "pace_target_batches must be > 0: with nothing waiting the trainer would wait for every batch")
+        need(self.pace_window_s > 0 and self.max_pace_s_per_trajectory > 0,
+             "pace_window_s and max_pace_s_per_trajectory must be > 0")
         need(self.max_policy_lag >= 1, "max_policy_lag must be >= 1: 0 would drop everything the actors send")
         need(self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024")
         need(self.receive_hwm_messages >= 1, "receive_hwm_messages must be >= 1")

@@ -1,0 +1,114 @@
+"""Flow control by pace: the learner tells actors how fast to act, so that they slow down instead of being dropped.
+
+No sockets, no asyncio; thread-safe (the receive loop reports arrivals, the training thread consumption and asks for
+the pace when it encodes weights).
+
+When the learner trains more slowly than its actors act, something must give. ``--when-full drop_oldest`` throws the
+surplus away after the actors spent their CPU on it; ``--when-full wait`` stops reading, so the surplus queues in
+socket buffers and the policy lag grows with every queued message. Pacing instead asks each actor to leave at least
+``pace_s_per_trajectory x n`` seconds between the starts of two unrolls of ``n`` trajectories (the weights message's
+``pace_s_per_trajectory``, docs/protocol.md). The learner sets it from what it measures over the last ``window_s``:
+
+    pace = senders / (consumed_per_s * factor),   factor = clip(1 + gain * (target - waiting) / target, lo, hi)
+
+``senders``: actors whose messages were accepted in the window; ``consumed_per_s``: trajectories the trainer took per
+second; ``waiting``: trajectories accepted and not yet taken; ``target``: how many the learner wants waiting, so it
+never waits for data (``pace_target_batches`` batches). Every actor that keeps the pace then produces
+``consumed_per_s * factor / senders`` trajectories a second, whatever its number of environments, and all of them
+together produce what training consumes, a little more while fewer than ``target`` wait and less while more do; an
+actor that is slower than its share leaves the others a larger one through ``factor``. Actors that are slower than
+the pace never wait, so a learner that is not the bottleneck costs nothing. Before anything was consumed (the first
+seconds) the pace is 0: no pacing. A rate, not a grant: no actor waits for a reply to its own messages, so there is
+no deadlock, no per-actor state in the weights message (whose size stays independent of the fleet), and actors that
+ignore the field (older or foreign ones) are held back only by ``when_full``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+FACTOR_LO, FACTOR_HI, GAIN = 0.25, 3.0, 2.0
+STARVED_S = 0.001  # a trainer that waited longer than this for a batch was starved of data
+
+
+class Pacer:
+    def __init__(self, target_trajectories: float, window_s: float, max_pace_s_per_trajectory: float,
+                 capacity_trajectories: int = 1 << 30, max_tracked_senders: int = 100_000):
+        """``target_trajectories`` > 0: the fewest trajectories the learner wants waiting; 0 turns pacing off (pace
+        0). ``capacity_trajectories``: what the ring holds (the target stays a message and a batch below it)."""
+        self.base_target = self.target = float(target_trajectories)
+        self.capacity = capacity_trajectories
+        self.window_s = float(window_s)
+        self.max_pace = float(max_pace_s_per_trajectory)
+        self.max_senders = max_tracked_senders
+        self._lock = threading.Lock()
+        self._senders: collections.OrderedDict[str, float] = collections.OrderedDict()  # actor -> last accepted at
+        self._consumed: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic time, trajectories)
+        self._largest = 1  # most trajectories seen in one message
+        self.pace_s_per_trajectory = 0.0  # the latest value computed (metrics)
+        self.senders = 0
+        self.target_now = 0.0  # the target the latest pace was computed for (metrics)
+
+    def accepted(self, actor: str, trajectories: int, now: float | None = None) -> None:
+        """A message of ``actor`` with ``trajectories`` was accepted (the receive loop)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._largest = max(self._largest, trajectories)
+            self._senders[actor] = now
+            self._senders.move_to_end(actor)
+            if len(self._senders) > self.max_senders:
+                self._senders.popitem(last=False)
+
+    def consumed(self, trajectories: int, waited_s: float = 0.0, now: float | None = None) -> None:
+        """The trainer took a batch of ``trajectories``, after waiting ``waited_s`` for it (the training thread).
+
+        The target adapts: a batch the trainer had to wait for (more than ``STARVED_S``) means the actors' next
+        messages come too late for the backlog kept, so it grows by half a batch; every batch taken without waiting
+        shrinks it by a hundredth of one, down to the configured target. So the backlog, and with it the policy lag,
+        is the least that keeps training fed, wherever the actors' latency lies."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._consumed.append((now, trajectories))
+            self._forget(now)
+            if self.base_target > 0:
+                ceiling = max(self.base_target, self.capacity - self._largest - trajectories)
+                step = trajectories / 2 if waited_s > STARVED_S else -trajectories / 100
+                self.target = min(ceiling, max(self.base_target, self.target + step))
+
+    def _forget(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._consumed and self._consumed[0][0] < horizon:
+            self._consumed.popleft()
+        # An actor keeping a slow pace sends less often than the window: it still counts for a few of its intervals.
+        horizon = now - max(self.window_s, 4 * self.pace_s_per_trajectory * self._largest)
+        while self._senders:
+            actor, at = next(iter(self._senders.items()))
+            if at >= horizon:
+                break
+            del self._senders[actor]
+
+    def pace(self, waiting_trajectories: int, now: float | None = None) -> float:
+        """Seconds per trajectory each actor should keep between the starts of its unrolls (0: as fast as it can)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._forget(now)
+            senders = len(self._senders)
+            self.senders = senders
+            if self.target <= 0 or senders == 0 or len(self._consumed) < 2:
+                self.pace_s_per_trajectory = 0.0
+                return 0.0
+            # Trajectories taken after the window's first batch, over the time since it: up to now, so that a
+            # learner that stopped consuming does not keep advertising its old rate.
+            first_at = self._consumed[0][0]
+            taken = sum(n for _, n in list(self._consumed)[1:])
+            rate = taken / max(1e-6, now - first_at)
+            # A message arrives whole: wanting fewer waiting than one message holds would swing the pace between
+            # its extremes at every arrival.
+            target = max(self.target, self._largest)
+            self.target_now = target
+        factor = min(FACTOR_HI, max(FACTOR_LO, 1.0 + GAIN * (target - waiting_trajectories) / target))
+        pace = min(self.max_pace, senders / max(1e-9, rate * factor))
+        self.pace_s_per_trajectory = pace
+        return pace

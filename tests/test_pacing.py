@@ -1,0 +1,213 @@
+"""Flow control by pace (learner/pacing.py, docs/protocol.md "Flow control").
+
+- The pace formula on hand-computed cases, the adaptive target and the sender window.
+- The control loop against an independent discrete-time simulation of a learner and its actors: with pacing, actors
+  that act faster than the learner trains lose nothing and the trainer stays fed; without it the surplus is dropped.
+- A real actor process keeps the pace a test-side learner publishes (real ZeroMQ sockets, real CartPole).
+- The weights message field on the wire.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+import zmq
+from procutil import cli, free_port_pair, stop, tail
+
+from impala_async.core import wire
+from impala_async.core.models import ModelConfig, build_model
+from impala_async.core.spec import TrajectorySpec
+from impala_async.learner.pacing import FACTOR_HI, FACTOR_LO, Pacer
+
+
+# ------------------------------------------------------------------------------------------------ the formula
+def _fed(pacer: Pacer, batches: int, per_s: float, batch: int = 16, t0: float = 0.0) -> float:
+    """Consume ``batches`` batches at ``per_s`` batches a second; return the time of the last."""
+    t = t0
+    for _ in range(batches):
+        pacer.consumed(batch, 0.0, now=t)
+        t += 1.0 / per_s
+    return t - 1.0 / per_s
+
+
+def test_pace_shares_the_consumption_rate_among_the_senders():
+    p = Pacer(target_trajectories=32, window_s=5.0, max_pace_s_per_trajectory=10.0)
+    assert p.pace(0, now=0.0) == 0.0, "nothing consumed yet: no pacing"
+    for actor in ("a", "b"):
+        p.accepted(actor, 16, now=0.0)
+    t = _fed(p, 11, per_s=10.0)  # 10 batches of 16 after the first, in 1 s: 160 trajectories a second
+    assert p.pace(32, now=t) == pytest.approx(2 / 160, rel=1e-6), "at the target: the rate shared by 2"
+    assert p.pace(0, now=t) == pytest.approx(2 / (160 * FACTOR_HI), rel=1e-6), "empty: faster"
+    assert p.pace(1000, now=t) == pytest.approx(2 / (160 * FACTOR_LO), rel=1e-6), "far above: slowest factor"
+
+
+def test_pacing_off_and_the_slowest_pace():
+    off = Pacer(target_trajectories=0, window_s=5.0, max_pace_s_per_trajectory=10.0)
+    off.accepted("a", 16, now=0.0)
+    assert off.pace(0, now=_fed(off, 5, per_s=10.0)) == 0.0
+    slow = Pacer(target_trajectories=16, window_s=100.0, max_pace_s_per_trajectory=0.5)
+    for i in range(50):
+        slow.accepted(str(i), 1, now=0.0)
+    t = _fed(slow, 3, per_s=0.1, batch=1)  # 0.1 trajectories a second shared by 50: 500 s each, capped
+    assert slow.pace(16, now=t) == 0.5
+
+
+def test_senders_are_those_of_the_window():
+    p = Pacer(target_trajectories=16, window_s=5.0, max_pace_s_per_trajectory=10.0)
+    p.accepted("old", 16, now=0.0)
+    p.accepted("new", 16, now=8.0)
+    t = _fed(p, 10, per_s=10.0, t0=6.0)  # now 6.9: "old" was 6.9 s ago
+    p.pace(16, now=t)
+    assert p.senders == 1, "an actor silent for longer than the window no longer shares the rate"
+
+
+def test_the_target_grows_when_the_trainer_starves_and_shrinks_back():
+    p = Pacer(target_trajectories=32, window_s=5.0, max_pace_s_per_trajectory=10.0, capacity_trajectories=128)
+    p.accepted("a", 32, now=0.0)
+    for i in range(20):
+        p.consumed(16, waited_s=0.05, now=i * 0.1)
+    assert p.target == 128 - 32 - 16, "starved at every batch: up to a message and a batch below capacity"
+    for i in range(20, 20 + 100 * 80):
+        p.consumed(16, waited_s=0.0, now=i * 0.1)
+    assert p.target == 32, "fed at every batch: back down to the configured target"
+
+
+def test_a_message_larger_than_the_target_is_the_target():
+    p = Pacer(target_trajectories=16, window_s=5.0, max_pace_s_per_trajectory=10.0)
+    p.accepted("a", 64, now=0.0)
+    t = _fed(p, 11, per_s=10.0)
+    assert p.pace(64, now=t) == pytest.approx(1 / 160, rel=1e-6), "64 waiting is on target when messages are 64"
+
+
+# ------------------------------------------------------------------------------------- the loop, simulated
+def simulate(pace: bool, unroll_s: list[float], trajectories: int, update_s: float, batch: int = 16,
+             capacity: int = 128, seconds: float = 60.0, dt: float = 0.001) -> dict:
+    """A learner taking ``batch`` trajectories per ``update_s`` from a ring of ``capacity`` (overflow dropped, as
+    drop_oldest does) and publishing a pace after every update; actors that act an unroll of ``trajectories`` in
+    ``unroll_s[i]`` and, before the next, wait for the pace they last received. Independent of the server's code
+    but for the Pacer under test."""
+    pacer = Pacer(2 * batch if pace else 0, 5.0, 10.0, capacity_trajectories=capacity)
+    published = 0.0
+    waiting = dropped = produced = consumed = 0
+    busy_until, waited, starved, fed_at = None, 0.0, 0.0, None
+    actors = [{"start": 0.0, "done": u} for u in unroll_s]  # acting until "done"; None while waiting for the pace
+    t, max_waiting = 0.0, 0
+    while t < seconds:
+        for i, a in enumerate(actors):
+            if a["done"] is not None and t >= a["done"]:
+                produced += trajectories
+                waiting += trajectories
+                pacer.accepted(str(i), trajectories, now=t)
+                if waiting > capacity:
+                    dropped += waiting - capacity
+                    waiting = capacity
+                a["done"] = None
+            if a["done"] is None and t >= a["start"] + trajectories * published:
+                a["start"], a["done"] = t, t + unroll_s[i]
+        max_waiting = max(max_waiting, waiting)
+        if busy_until is not None and t >= busy_until:
+            busy_until = None
+            published = pacer.pace(waiting, now=t)
+        if busy_until is None:
+            if waiting >= batch:
+                waiting -= batch
+                consumed += batch
+                pacer.consumed(batch, waited, now=t)
+                waited, busy_until, fed_at = 0.0, t + update_s, t
+            else:
+                waited += dt
+                if fed_at is not None and t > 5.0:  # starved once data had flowed, after a warm-up
+                    starved += dt
+        t += dt
+    return {"dropped_fraction": dropped / max(1, produced), "starved_fraction": starved / (seconds - 5.0),
+            "consumed_per_s": consumed / seconds, "max_waiting": max_waiting, "pace": published}
+
+
+@pytest.mark.parametrize("unroll_s", [[0.02], [0.01, 0.03], [0.02] * 4])
+def test_actors_faster_than_the_learner_lose_nothing_when_paced(unroll_s):
+    # 16 trajectories per 20 ms = 800 trajectories/s of training; the actors could deliver 1,600 to 6,400.
+    paced = simulate(True, unroll_s, 32, 0.02)
+    free = simulate(False, unroll_s, 32, 0.02)
+    assert free["dropped_fraction"] > 0.4, free
+    assert paced["dropped_fraction"] < 0.02, paced  # the first seconds, before any rate is known
+    assert paced["starved_fraction"] < 0.05, paced
+    assert paced["consumed_per_s"] >= 0.95 * free["consumed_per_s"], (paced, free)
+
+
+def test_pacing_costs_nothing_when_the_actors_are_the_bottleneck():
+    # One actor delivering 32 trajectories per 100 ms (320/s) to a learner that could train 1,600/s.
+    paced = simulate(True, [0.1], 32, 0.01)
+    free = simulate(False, [0.1], 32, 0.01)
+    assert free["dropped_fraction"] == 0.0
+    assert paced["consumed_per_s"] >= 0.98 * free["consumed_per_s"], (paced, free)
+
+
+# --------------------------------------------------------------------------------- a real actor keeps the pace
+def _cartpole_weights(pace_s_per_trajectory: float, version: int, k: int) -> bytes:
+    spec = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
+    cfg = ModelConfig("mlp", hidden_sizes=(8,), activation="tanh")
+    net = build_model(spec, cfg)
+    run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": "CartPole-v1", "env_kwargs": {},
+                "spec": spec.to_dict(), "model": cfg.to_dict(), "max_trajectories_per_message": k,
+                "max_message_bytes": 16 << 20}
+    tensors = {name: v.detach().numpy() for name, v in net.state_dict().items()}
+    return wire.encode_weights(version, tensors, run_info, incarnation=3, pace_s_per_trajectory=pace_s_per_trajectory)
+
+
+def _message_times(pace: float, k: int, count: int, tmp_path) -> list[float]:
+    port = free_port_pair()
+    ctx = zmq.Context()
+    pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
+    for s in (pull, pub):
+        s.setsockopt(zmq.LINGER, 0)
+    pull.bind(f"tcp://127.0.0.1:{port}")
+    pub.bind(f"tcp://127.0.0.1:{port + 1}")
+    log = tmp_path / f"actor-{pace}.log"
+    actor = cli("actor", "--learner", f"tcp://127.0.0.1:{port}", "--envs-per-actor", str(k), log=log)
+    weights = _cartpole_weights(pace, 1, k)
+    times: list[float] = []
+    try:
+        deadline = time.monotonic() + 60
+        last_pub = 0.0
+        while len(times) < count and time.monotonic() < deadline:
+            if time.monotonic() - last_pub > 0.05:  # the same weights again and again, as a learner re-sends them
+                pub.send(weights)
+                last_pub = time.monotonic()
+            if pull.poll(10):
+                pull.recv()
+                times.append(time.monotonic())
+            assert actor.poll() is None, tail(log)
+    finally:
+        stop(actor)
+        ctx.destroy(linger=0)
+    assert len(times) == count, "the actor sent too few messages\n" + tail(log)
+    return times
+
+
+def test_a_real_actor_keeps_the_pace_it_is_sent(tmp_path):
+    k, pace = 4, 0.1  # 4 trajectories per unroll: at least 0.4 s from one unroll's start to the next
+    paced = np.diff(_message_times(pace, k, 5, tmp_path))
+    assert paced.min() >= 0.9 * k * pace, paced
+    free = np.diff(_message_times(0.0, k, 5, tmp_path))
+    assert np.median(free) < 0.5 * k * pace, f"unpaced, an unroll of 4 x 5 CartPole steps is fast: {free}"
+
+
+# ----------------------------------------------------------------------------------------------- the wire
+def test_the_weights_message_carries_the_pace():
+    w = wire.decode_weights(_cartpole_weights(0.25, 1, 4), 1 << 20)
+    assert w.pace_s_per_trajectory == 0.25
+    assert wire.decode_weights(_cartpole_weights(0.0, 1, 4), 1 << 20).pace_s_per_trajectory == 0.0
+    assert wire.weights_header(_cartpole_weights(0.25, 7, 4))[0] == 7, "version and incarnation still come first"
+    import msgpack
+
+    msg = msgpack.unpackb(_cartpole_weights(0.25, 1, 4))
+    assert "pace_s_per_trajectory" in msg and "pace_s_per_trajectory" not in msgpack.unpackb(
+        _cartpole_weights(0.0, 1, 4)), "left out when 0"
+    for bad in (-1.0, math.nan, math.inf, True, "0.1"):
+        msg["pace_s_per_trajectory"] = bad
+        with pytest.raises(wire.Rejected, match="pace_s_per_trajectory"):
+            wire.decode_weights(msgpack.packb(msg, use_bin_type=True), 1 << 20)
+
