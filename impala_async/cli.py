@@ -197,9 +197,11 @@ def cmd_actor(args) -> int:
             envs_per_actor=args.envs_per_actor, codec=args.codec, parent_pid=args.parent_pid,
             max_wait_for_weights_s=args.max_wait_for_weights_s, heartbeat_fd=args.heartbeat_fd,
             heartbeat_interval_s=args.heartbeat_interval_s, curve_keys=args.curve_keys,
-            send_hwm_messages=args.send_hwm_messages, send_buffer_bytes=args.send_buffer_bytes))
+            send_hwm_messages=args.send_hwm_messages, send_buffer_bytes=args.send_buffer_bytes,
+            connection_timeout_s=args.connection_timeout_s))
     extra = ["--codec", args.codec, "--send-hwm-messages", str(args.send_hwm_messages), "--send-buffer-bytes",
-             str(args.send_buffer_bytes)] + (["--curve-keys", args.curve_keys] if args.curve_keys else [])
+             str(args.send_buffer_bytes), "--connection-timeout-s", str(args.connection_timeout_s)] + (
+        ["--curve-keys", args.curve_keys] if args.curve_keys else [])
     procs = ActorProcesses(
         lambda i, fd: actor_argv(args.learner, weights, args.index + i, fd, seed=args.seed,
                                  envs_per_actor=args.envs_per_actor, heartbeat_interval_s=args.heartbeat_interval_s,
@@ -333,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="ZMQ_SNDHWM: messages queued before a send waits (default: 4)")
     act.add_argument("--send-buffer-bytes", type=int, default=0,
                      help="ZMQ_SNDBUF, the kernel's send buffer (default: 0, the system's)")
+    act.add_argument("--connection-timeout-s", type=float, default=6.0, help=(
+        "drop and remake a connection to the learner that answers no ZeroMQ heartbeat for this long; connection "
+        "attempts give up after half of it (0: TCP's own timeouts, minutes after a long outage) (default: 6)"))
     act.add_argument("--codec", choices=("lz4", "none"), default="lz4", help=(
         "array compression (default: lz4); images go as JPEG instead when the learner asks for it (--obs-codec jpeg)"))
     act.add_argument("--curve-keys", default="", help="directory with actor.key_secret and learner.key: connect with "

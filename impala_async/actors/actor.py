@@ -43,6 +43,10 @@ class ActorConfig:
     heartbeat_interval_s: float = 1.0
     curve_keys: str = ""  # directory with actor.key_secret and learner.key: connect with CURVE
     max_pace_wait_s: float = 60.0  # flow control: the longest an actor waits between two unrolls for the pace
+    # A connection to the learner that answers no ZMTP heartbeat for this long is dropped and made anew, and a
+    # connection attempt gives up after half of it: a link that went down and came back resumes within about this
+    # long, instead of after TCP's retransmission backoff (seconds after a 20 s outage, minutes after longer ones).
+    connection_timeout_s: float = 6.0
 
 
 def weights_address(learner: str) -> str:
@@ -176,6 +180,11 @@ def run(cfg: ActorConfig) -> int:
         auth.make_curve_client(sub, keys)
         auth.make_curve_client(push, keys)
     watch = HandshakeWatch(sub, cfg.weights)  # before connect: tells a refusal from an absent learner
+    for sock in (sub, push):
+        if cfg.connection_timeout_s > 0:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.connection_timeout_s * 1000 / 3)))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.connection_timeout_s * 1000))
+            sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1, int(cfg.connection_timeout_s * 500)))
     sub.setsockopt(zmq.CONFLATE, 1)
     sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_weights_bytes)
     sub.setsockopt(zmq.LINGER, 0)

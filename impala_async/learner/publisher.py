@@ -40,6 +40,9 @@ class WeightsPublisher:
         s.setsockopt(zmq.SNDHWM, SNDHWM_MESSAGES)
         s.setsockopt(zmq.RCVHWM, RCVHWM_MESSAGES)
         s.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.handshake_timeout_s * 1000))
+        if cfg.peer_timeout_s > 0:  # a peer gone without closing its connection stops counting against the limits
+            s.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.peer_timeout_s * 1000 / 3)))
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.peer_timeout_s * 1000))
         s.setsockopt(zmq.LINGER, 0)
         if secure is not None:
             secure(s)

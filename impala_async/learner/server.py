@@ -130,6 +130,9 @@ class LearnerServer:
             self.pull.setsockopt(zmq.RCVBUF, cfg.receive_buffer_bytes)
         self.pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
         self.pull.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.handshake_timeout_s * 1000))
+        if cfg.peer_timeout_s > 0:  # a peer gone without closing its connection stops counting against the limits
+            self.pull.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.peer_timeout_s * 1000 / 3)))
+            self.pull.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.peer_timeout_s * 1000))
         self.pull.setsockopt(zmq.LINGER, 0)
         if secure is not None:
             secure(self.pull)

@@ -159,6 +159,9 @@ class LearnerConfig:
     max_subscription_bytes: int = opt(1024, "ZMQ_MAXMSGSIZE of the weights socket: subscriptions and handshakes")
     max_subscriptions_per_connection: int = opt(16, "close a weights connection that sends more subscription "
                                                     "messages than this (an honest subscriber sends one)")
+    peer_timeout_s: float = opt(30.0, "close a connection whose peer has answered no ZeroMQ heartbeat for this long "
+                                      "(a machine gone, or a link down, without the connection being closed; 0: "
+                                      "TCP's own timeouts, about 15 minutes)")
     handshake_timeout_s: float = opt(10.0, "close a connection that has not completed the ZeroMQ handshake by then")
     connection_check_interval_s: float = opt(0.05, "how often unread bytes per connection are checked")
     min_resend_interval_s: float = opt(1.0, "least time between two re-sends of the weights to new subscribers "
@@ -310,6 +313,7 @@ class LearnerConfig:
                      "handshake_timeout_s", "connection_check_interval_s", "checkpoint_retry_interval_s"):
             need(getattr(self, name) > 0, f"{name} must be > 0")
         need(self.publish_interval_s >= 0, "publish_interval_s must be >= 0")
+        need(math.isfinite(self.peer_timeout_s) and self.peer_timeout_s >= 0, "peer_timeout_s must be >= 0 (0: off)")
         need(self.min_resend_interval_s >= 0, "min_resend_interval_s must be >= 0")
         need(self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s,
              "heartbeat_timeout_s must exceed twice heartbeat_interval_s, or healthy actors would be killed")
