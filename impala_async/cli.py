@@ -21,6 +21,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from .ops.config import (  # noqa: E402
+    ENV_BACKENDS,
     PER_INVOCATION_FIELDS,
     LearnerConfig,
     add_arguments,
@@ -42,19 +43,23 @@ def _default_publish(listen: str) -> str:
     raise ValueError(f"cannot derive a publish address from {listen!r}: give --publish")
 
 
-def _resolve_device(name: str):
+def _resolve_device(name: str, flag: str = "--device"):
     import torch
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("impala-async: --device cuda asked for, but torch sees no CUDA device")
+        raise SystemExit(f"impala-async: {flag} {name} asked for, but torch sees no CUDA device")
     return device
 
 
-def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None = None) -> int:
+def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None = None, argv=()) -> int:
+    from .learner import ranks
     from .ops import auth
 
+    group = ranks.join_worker(cfg)  # a learner rank > 0 (learner/ranks.py) runs rank 0's configuration
+    if group is not None:
+        cfg = group.cfg
     try:  # before the heavy imports: a refusal to start is immediate
         cfg.listen = cfg.listen or default_listen
         cfg.publish = cfg.publish or _default_publish(cfg.listen)
@@ -73,8 +78,8 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
     import torch
     import uvloop
 
-    from .actors.envs import frame_stack_of, make_env
     from .actors.procs import ActorProcesses, actor_argv
+    from .actors.vec import make_vec
     from .core import codecs, wire
     from .core.spec import TrajectorySpec
     from .learner.learn import Learner
@@ -82,27 +87,32 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
 
     if not cfg.logdir:
         cfg.logdir = f"runs/{cfg.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    group = group or ranks.join_lead(cfg, resumed, list(argv))  # rank 0 of several: starts the others now
     device = _resolve_device(cfg.device)
+    if cfg.local_actors > 0 and cfg.actor_device != "cpu":
+        _resolve_device(cfg.actor_device, "--actor-device")  # no CUDA device: refused before any actor starts
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
     if device.type == "cpu":
         torch.set_num_threads(1)  # the actors need the other cores more than a small network needs threads
-    try:
-        env = make_env(cfg.env, **cfg.env_kwargs_dict)
-    except TypeError as e:  # an argument the environment does not take
+    try:  # one environment as the actors build it (actors/vec.py): its spaces, and how it stacks frames
+        env = make_vec(cfg.env, cfg.env_kwargs_dict, 1, cfg.env_backend)
+    except (TypeError, ValueError) as e:  # an argument the environment (or EnvPool) does not take
         raise SystemExit(f"impala-async: --env {cfg.env} --env-kwargs {cfg.env_kwargs}: {e}") from None
     except gym.error.DependencyNotInstalled as e:
         raise SystemExit(f"impala-async: {e}") from None
-    spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, cfg.unroll_length,
-                                      frame_stack=frame_stack_of(env) if cfg.frame_dedup else 0,
+    spec = TrajectorySpec.from_spaces(env.single_observation_space, env.single_action_space, cfg.unroll_length,
+                                      frame_stack=env.frame_stack if cfg.frame_dedup else 0,
                                       core_state_size=cfg.lstm_size if cfg.use_lstm else 0)
-    high = float(np.max(env.observation_space.high)) if spec.obs_dtype == "uint8" else 255.0
+    high = float(np.max(env.single_observation_space.high)) if spec.obs_dtype == "uint8" else 255.0
     if not cfg.input_scale:  # uint8 images to [0, 1]: 1/255 for pixels, 1 for MinAtar's 0/1 planes
         cfg.input_scale = 1.0 / max(1.0, high)
     env.close()
     if cfg.obs_codec == codecs.CODEC_JPEG and codecs.refusal(spec.fields[0], high):
         raise SystemExit(f"impala-async: --env {cfg.env}: {codecs.refusal(spec.fields[0], high)}")
     cfg.resolve_for(spec.trajectory_nbytes)
+    if group is not None:  # the process group; rank 0's checkpoint state, on every rank
+        device, resumed = group.start(device), group.resumed
     try:
         learner = Learner(cfg, spec, device)
     except ValueError as e:  # a network this observation space cannot take (an LSTM on vectors, images too small)
@@ -114,18 +124,23 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
                              f"run's {spec.to_dict()}: resume with the same --env and --unroll-length")
         learner.load_state_dict(resumed["learner"])
         log.info("resumed at %d env steps, policy version %d", learner.env_steps_trained, resumed["policy_version"])
+    if group is not None:
+        group.distribute(learner)  # gradients averaged over the ranks
     run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": cfg.env, "env_kwargs": cfg.env_kwargs_dict,
                 "spec": spec.to_dict(), "model": learner.model_config.to_dict(),
                 "max_trajectories_per_message": cfg.max_trajectories_per_message,
                 "max_message_bytes": cfg.max_message_bytes, "obs_codec": cfg.obs_codec,
-                "jpeg_quality": cfg.jpeg_quality}
+                "jpeg_quality": cfg.jpeg_quality, "env_backend": env.backend}
     server: LearnerServer | None = None
     actors = None
-    if cfg.local_actors > 0:
+    if group is not None and group.rank and keys is not None and cfg.local_actors > 0:
+        keys = group.share_local_actor_key(keys)  # rank 0 made train's local actors a key: admit it too
+    if cfg.local_actors > 0 and (group is None or group.rank == 0):
         extra = ["--send-hwm-messages", str(cfg.actor_send_hwm_messages),
-                 "--send-buffer-bytes", str(cfg.actor_send_buffer_bytes)]
+                 "--send-buffer-bytes", str(cfg.actor_send_buffer_bytes), "--device", cfg.actor_device]
         if keys is not None:  # local actors get a key pair of their own, admitted for this run only
             local_dir, keys = auth.local_actor_keys(keys, Path(cfg.logdir) / ".local-actor-keys")
+            keys = keys if group is None else group.share_local_actor_key(keys)
             extra += ["--curve-keys", str(local_dir)]
         actors = ActorProcesses(
             lambda i, fd: actor_argv(server.listen_endpoint, server.publish_endpoint, i, fd, seed=cfg.seed,
@@ -133,17 +148,19 @@ def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None =
                                      extra=extra),
             cfg.local_actors, max_restarts=cfg.max_actor_restarts, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
     server = LearnerServer(cfg, learner, spec, run_info, cfg.logdir, start_monotonic=START_MONOTONIC, actors=actors,
-                           keys=keys, resumed=resumed)
+                           keys=keys, resumed=resumed, ranks=group)
     code = uvloop.run(server.serve())
-    if code:
+    if code and server.lead:
         print(f"impala-async: stopped: {server.exit_reason}", file=sys.stderr)
-    return code
+    return code if group is None else group.exit(code)
 
 
 def _config(args, **forced) -> tuple[LearnerConfig, dict | None]:
     """The run's configuration: from the flags, or with --resume from the newest good checkpoint's, where flags given
     explicitly on this command line win (so a resumed run can, say, raise --total-env-steps)."""
-    if not args.resume:
+    from .learner import ranks
+
+    if not args.resume or ranks.env_rank() > 0:  # a learner rank > 0 takes rank 0's configuration and checkpoint
         return from_arguments(LearnerConfig, args, **forced), None
     from .learner import checkpoint
 
@@ -165,12 +182,12 @@ def _config(args, **forced) -> tuple[LearnerConfig, dict | None]:
 
 def cmd_train(args) -> int:
     cfg, resumed = _config(args)
-    return _run_learner(cfg, "tcp://127.0.0.1:*", resumed)
+    return _run_learner(cfg, "tcp://127.0.0.1:*", resumed, args.argv)
 
 
 def cmd_learner(args) -> int:
     cfg, resumed = _config(args, num_actors=0)
-    return _run_learner(cfg, "tcp://127.0.0.1:5555", resumed)
+    return _run_learner(cfg, "tcp://127.0.0.1:5555", resumed, args.argv)
 
 
 def cmd_actor(args) -> int:
@@ -183,6 +200,12 @@ def cmd_actor(args) -> int:
     serve_port = 0 if args.parent_pid else args.metrics_port
     try:  # refusals come before any process starts, as one line
         weights = args.weights or actor.weights_address(args.learner)
+        if args.env_backend == "envpool":
+            import importlib.util
+            if importlib.util.find_spec("envpool") is None:
+                raise ValueError("--env-backend envpool needs EnvPool: pip install 'impala-async[envpool]'")
+        if args.device != "cpu":
+            _resolve_device(args.device)
         if args.curve_keys:
             from .ops import auth
             auth.load_actor_keys(args.curve_keys)
@@ -198,8 +221,9 @@ def cmd_actor(args) -> int:
             max_wait_for_weights_s=args.max_wait_for_weights_s, heartbeat_fd=args.heartbeat_fd,
             heartbeat_interval_s=args.heartbeat_interval_s, curve_keys=args.curve_keys,
             send_hwm_messages=args.send_hwm_messages, send_buffer_bytes=args.send_buffer_bytes,
-            connection_timeout_s=args.connection_timeout_s))
-    extra = ["--codec", args.codec, "--send-hwm-messages", str(args.send_hwm_messages), "--send-buffer-bytes",
+            connection_timeout_s=args.connection_timeout_s, env_backend=args.env_backend, device=args.device))
+    extra = ["--codec", args.codec, "--env-backend", args.env_backend, "--device", args.device,
+             "--send-hwm-messages", str(args.send_hwm_messages), "--send-buffer-bytes",
              str(args.send_buffer_bytes), "--connection-timeout-s", str(args.connection_timeout_s)] + (
         ["--curve-keys", args.curve_keys] if args.curve_keys else [])
     procs = ActorProcesses(
@@ -340,6 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
         "attempts give up after half of it (0: TCP's own timeouts, minutes after a long outage) (default: 6)"))
     act.add_argument("--codec", choices=("lz4", "none"), default="lz4", help=(
         "array compression (default: lz4); images go as JPEG instead when the learner asks for it (--obs-codec jpeg)"))
+    act.add_argument("--env-backend", choices=("", *ENV_BACKENDS), default="", metavar="{gymnasium,envpool}", help=(
+        "how to step Atari ids: gymnasium, or envpool (pip install 'impala-async[envpool]'); other ids always use "
+        "gymnasium (default: the learner's run.env_backend, else gymnasium)"))
+    act.add_argument("--device", default="cpu", help="where the policy's forward pass runs: cpu or cuda[:N] "
+                                                     "(default: cpu)")
     act.add_argument("--curve-keys", default="", help="directory with actor.key_secret and learner.key: connect with "
                                                       "CurveZMQ (see README, Security)")
     act.add_argument("--max-wait-for-weights-s", type=float, default=600.0,
@@ -394,6 +423,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.explicit = _explicit_flags(parser, args.command, argv)
+    args.argv = argv  # learner ranks > 0 run the same command line (learner/ranks.py)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     return args.func(args)

@@ -9,10 +9,18 @@ steady part of each run (after --warmup-s of data):
   (accepted, plus those dropped before acceptance; rejected ones are not counted: there are none in these runs);
 - policy lag: mean of the per-report averages, and the largest per-report maximum;
 - trained env frames/s: env steps trained per second over the steady window (what the learner learns from);
-- produced env frames/s: env steps delivered by the actors per second.
+- produced env frames/s: env steps delivered by the actors per second;
+- learner steps/s: updates per second.
+
+(Env frames here are agent steps, the unit of env_steps; ALE's emulator runs 4 frames per Atari agent step.)
 
     python tools/flow_control.py --env ALE/Pong-v5 --seconds 120 --settings "--flow-control none" "--flow-control pace"
     python tools/flow_control.py --env CartPole-v1 --seconds 40 --repeat 2 --json
+
+Any train flags can be compared the same way, e.g. the deep network's variants on Pong:
+
+    python tools/flow_control.py --env ALE/Pong-v5 --seconds 150 --warmup-s 30 --settings "--model deep" \
+        "--model deep --use-lstm 1" "--model deep --obs-codec jpeg" "--model deep --use-lstm 1 --obs-codec jpeg"
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ def run(env: str, flags: list[str], seconds: float, warmup_s: float) -> dict:
         "policy_lag_avg": round(statistics.mean(lags), 2) if lags else None,
         "policy_lag_max": max(lag_max) if lag_max else None,
         "trained_frames_per_s": round(delta("env_steps_trained") / dt, 1),
+        "learner_steps_per_s": round(delta("learner_steps") / dt, 2),
         "produced_frames_per_s": round(delta("env_steps") / dt, 1),
         "pace_s_per_trajectory": b.get("pace_s_per_trajectory"),
         "logdir": str(logdir),

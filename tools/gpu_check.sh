@@ -8,7 +8,9 @@
 # Each step has its own timeout, so a hang costs one step, not the run. Everything lands in two files under $OUT
 # (the device returns at most 8): gpu_check.log (all output, by step) and results.jsonl (one JSON object per
 # measurement, plus one per step with its exit code and seconds). Off a GPU (NO_WHEELS=1 PY=.venv/bin/python
-# OUT=/tmp/x) it runs the same steps, and the CUDA ones fail fast or skip. Typical run: about 6 minutes.
+# OUT=/tmp/x) it runs the same steps, and the CUDA ones fail fast or skip. Typical run: about 6 minutes, plus
+# about 2.5 for step 7 (the actors' forward pass on the GPU). ONLY=REGEX runs only the steps whose names match, e.g.
+# ONLY='environment|actor' bash tools/gpu_check.sh for step 7 alone (about 2.5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -30,6 +32,7 @@ fi
 # step NAME LIMIT_S CMD...: run with a timeout, output into the log, exit code and seconds into results.jsonl
 step() {
   local name=$1 limit=$2; shift 2
+  [ -n "${ONLY:-}" ] && ! [[ "$name" =~ $ONLY ]] && return 0
   local t0=$SECONDS rc=0
   echo "===== $name (limit ${limit} s): $*" >> "$LOG"
   timeout -k 10 "$limit" "$@" >> "$LOG" 2>&1 || rc=$?
@@ -39,6 +42,7 @@ step() {
 # json_step NAME LIMIT_S CMD...: as step, and the command's JSON lines (stdout) go to results.jsonl too
 json_step() {
   local name=$1 limit=$2; shift 2
+  [ -n "${ONLY:-}" ] && ! [[ "$name" =~ $ONLY ]] && return 0
   local t0=$SECONDS rc=0 tmp
   tmp=$(mktemp)
   echo "===== $name (limit ${limit} s): $*" >> "$LOG"
@@ -58,7 +62,7 @@ step environment 60 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.t
 
 # 2. the CUDA tests (they skip on a CPU): pinned ring, the copy stream's ordering, learner and V-trace on the GPU
 step pytest_cuda 150 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_ring.py tests/test_trainer.py \
-  tests/test_learn.py tests/test_vtrace.py
+  tests/test_learn.py tests/test_vtrace.py tests/test_actor_device.py
 
 # 3. the real CLI end to end with the learner on the GPU (device auto)
 step pytest_cli 120 "$PY" -m pytest -q -p no:cacheprovider -x tests/test_cli.py
@@ -80,5 +84,19 @@ done
 json_step pong_cuda 90 "$PY" tools/time_to_return.py --seeds 0 --target 21 --timeout-s 75 --json -- \
   --env ALE/Pong-v5 --device cuda --envs-per-actor 16 --unroll-length 80 --batch-size 32 --optimizer rmsprop \
   --learning-rate 4.8e-4 --entropy-cost 0.0006 --reward-clip 1 --reward-scale 1 --precision bf16
+
+# 7. the actors' forward pass on the GPU (--actor-device cuda). One actor core (pinned), 32 Pong environments, the
+#    Nature CNN on the GPU against the CPU: env frames/s = 4 x agent steps/s (tools/bench_actor.py; EnvPool too where
+#    the image has it). Then a short Pong train whose local actors act on the GPU: its sps (agent steps/s, all actors
+#    together) x 4 are the actors' env frames/s.
+backends=gymnasium
+"$PY" -c "import envpool" 2> /dev/null && backends=gymnasium,envpool
+for dev in cuda cpu; do
+  json_step "bench_actor_$dev" 100 "$PY" tools/bench_actor.py --env ALE/Pong-v5 --envs 32 --steps 400 \
+    --backends "$backends" --device "$dev" --json
+done
+json_step pong_actor_cuda 70 "$PY" tools/time_to_return.py --seeds 0 --target 21 --timeout-s 45 --json -- \
+  --env ALE/Pong-v5 --device cuda --actor-device cuda --envs-per-actor 32 --unroll-length 80 --batch-size 32 \
+  --optimizer rmsprop --learning-rate 4.8e-4 --entropy-cost 0.0006 --reward-clip 1 --reward-scale 1
 
 echo "done; results in $RESULTS" | tee -a "$LOG"

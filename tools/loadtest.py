@@ -82,6 +82,8 @@ def synthetic_actor(a: argparse.Namespace) -> int:
             first = wire.decode_weights(sub.recv(), 1 << 30)
     if first is None:
         return 3
+    from impala_async.actors.endpoints import Endpoints
+    Endpoints(push, a.learner).update(first.run_info)  # a learner of several ranks: push to every rank, round-robin
     spec = TrajectorySpec.from_dict(first.run_info["spec"])
     version, incarnation = first.version, first.incarnation
     T, N = spec.unroll_length, a.trajectories_per_message
@@ -204,7 +206,8 @@ def summarise(rows: list[dict], window_start_s: float, frames_per_batch: int | N
                 stages.setdefault(k, []).append(v)
     trajectories = last["trajectories_received"] - first["trajectories_received"]
     decoded = (last["env_steps"] - first["env_steps"]) / dt
-    batches = sum(r["batches_per_s"] for r in win[1:]) / len(win[1:])
+    # Rank 0's batches; with several learner ranks each of them takes as many (in lock step when training).
+    batches = sum(r["batches_per_s"] for r in win[1:]) / len(win[1:]) * last.get("learner_ranks", 1)
     return {
         # Frames in batches handed to the consumer (trainer): what was ingested, net of any later drop.
         "frames_per_s": batches * frames_per_batch if frames_per_batch else decoded,
@@ -232,6 +235,9 @@ def main() -> int:
     p.add_argument("--metrics", default="", help="attach mode: the learner's metrics.jsonl, if readable here")
     p.add_argument("--curve-keys", default="", help="actor key directory (actor.key_secret, learner.key)")
     p.add_argument("--train", action="store_true", help="full training mode instead of ingest-only")
+    p.add_argument("--learner-ranks", type=int, default=1, help=(
+        "learner ranks (README, Several learner ranks): each binds its own trajectory socket and the synthetic actors "
+        "push to all of them; with --train they train in lock step (default: 1)"))
     p.add_argument("--obs", choices=sorted(ENVS), default="atari")
     p.add_argument("--actors", type=int, default=8)
     p.add_argument("--unroll-length", type=int, default=80)
@@ -291,7 +297,7 @@ def measure(a: argparse.Namespace) -> dict:
                "--unroll-length", str(a.unroll_length), "--batch-size", str(a.batch_size), "--logdir", str(tmp),
                "--ingest-only", "0" if a.train else "1", "--total-env-steps", str(10**15),
                "--report-interval-s", "1", "--no-data-timeout-s", "600", "--checkpoint-interval-s", "100000",
-               *a.learner_flag]
+               "--learner-ranks", str(a.learner_ranks), *a.learner_flag]
         learner = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(tmp / "learner.log", "w"), text=True,
                                    preexec_fn=_affinity(learner_cpus))
         line = learner.stdout.readline()
@@ -353,7 +359,8 @@ def measure(a: argparse.Namespace) -> dict:
                 learner.wait(30)
             except subprocess.TimeoutExpired:
                 learner.kill()
-    result = {"obs": a.obs, "actors": a.actors, "train": a.train, "unroll_length": a.unroll_length,
+    result = {"obs": a.obs, "actors": a.actors, "train": a.train, "learner_ranks": a.learner_ranks,
+              "unroll_length": a.unroll_length,
               "trajectories_per_message": a.trajectories_per_message, "codec": a.codec, "rate": a.rate,
               "pinned": a.pin, "sender_trajectories": sum(s["trajectories_sent"] for s in sent),
               "sender_blocked_frac": statistics.mean(s["blocked_frac"] for s in sent) if sent else None}

@@ -14,14 +14,15 @@ import socket
 import time
 from dataclasses import dataclass
 
+import gymnasium as gym
 import numpy as np
 import torch
 import zmq
 
 from ..core import codecs, frames, wire
-from ..core.models import ModelConfig, build_model
-from ..core.spec import TrajectorySpec
-from .envs import make_env, set_difficulty
+from .endpoints import Endpoints
+from .rollout import Policy, unroll
+from .vec import BACKENDS, VecEnv, make_vec
 
 log = logging.getLogger("impala_async.actors.actor")
 
@@ -47,6 +48,8 @@ class ActorConfig:
     # connection attempt gives up after half of it: a link that went down and came back resumes within about this
     # long, instead of after TCP's retransmission backoff (seconds after a 20 s outage, minutes after longer ones).
     connection_timeout_s: float = 6.0
+    env_backend: str = ""  # gymnasium or envpool (Atari ids only); "": the learner's run.env_backend
+    device: str = "cpu"  # where the policy's forward pass runs: cpu or cuda[:N]
 
 
 def weights_address(learner: str) -> str:
@@ -100,39 +103,6 @@ def _die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         raise SystemExit(0)
-
-
-class Policy:
-    """The behaviour policy mu: a CPU copy of the learner's network, replaced when new weights arrive."""
-
-    def __init__(self, first: wire.WeightsMessage):
-        self.run_info = first.run_info
-        self.spec = TrajectorySpec.from_dict(first.run_info["spec"])
-        self.model = build_model(self.spec, ModelConfig.from_dict(first.run_info["model"]))
-        self.model.eval()
-        self.version, self.incarnation = -1, 0
-        self.load(first)
-
-    def load(self, msg: wire.WeightsMessage) -> None:
-        state = self.model.state_dict()
-        if state.keys() != msg.tensors.keys():
-            raise ValueError("weights do not match the network of this run")
-        with torch.no_grad():
-            for name, t in state.items():
-                t.copy_(torch.from_numpy(msg.tensors[name]).view(t.shape))
-        if msg.incarnation != self.incarnation and self.incarnation:
-            log.info("the learner restarted (new incarnation): now at policy version %d", msg.version)
-        self.version, self.incarnation = msg.version, msg.incarnation
-
-    def initial_state(self, batch_size: int) -> tuple:
-        """The recurrent state of ``batch_size`` environments at the start of their episodes (``()`` without a core)."""
-        return self.model.initial_state(batch_size)
-
-    @torch.inference_mode()
-    def step(self, obs: np.ndarray, state: tuple) -> tuple[np.ndarray, np.ndarray, tuple]:
-        """``obs [B, *obs_shape]``, ``state`` -> ``(logits [B, A], values [B], next state)``."""
-        logits, values, state = self.model.step(torch.from_numpy(obs), state)
-        return logits.numpy(), values.numpy(), state
 
 
 def image_codec(run_info: dict, codec: str) -> tuple[str, int]:
@@ -218,7 +188,9 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
                       cfg.max_wait_for_weights_s, watch.diagnosis())
             return EXIT_REFUSED if watch.refused else EXIT_NO_WEIGHTS
         first = _receive_weights(sub, cfg.max_weights_bytes, 100)
-    policy = Policy(first)
+    policy = Policy(first, cfg.device)
+    ranks = Endpoints(push, cfg.learner)  # a learner of several ranks lists them all: push to each (endpoints.py)
+    ranks.update(first.run_info)
     spec, run_info = policy.spec, policy.run_info
     T, K = spec.unroll_length, cfg.envs_per_actor
     per_message = int(run_info.get("max_trajectories_per_message", K)) or K
@@ -229,67 +201,29 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
         return 2
     seeds = np.random.SeedSequence([cfg.seed, cfg.index]).generate_state(K + 1)
     rng = np.random.default_rng(seeds[K])
-    envs = [make_env(run_info["env_id"], **run_info.get("env_kwargs", {})) for _ in range(K)]
-    difficulty = first.difficulty  # the curriculum's value (None: none); an environment takes a new one at its reset
-    applied = [set_difficulty(env, difficulty) for env in envs]
-    obs = np.stack([env.reset(seed=int(seeds[k]))[0] for k, env in enumerate(envs)]).astype(spec.obs_dtype)
+    envs = _make_envs(cfg, run_info, K, spec.obs_dtype, seeds[:K])
+    if envs is None:
+        return 2
+    envs.set_difficulty(first.difficulty)  # the curriculum's value (None: none); each env takes it at its reset
+    envs.reset(seeds[:K])
     buf = {f.name: np.zeros((K, *f.shape), f.dtype) for f in spec.fields}
     # Observations [K, T+1, *obs_shape]; with frame_stack they are packed into buf["frames"] before sending.
     obs_buf = np.zeros((K, T + 1, *spec.obs_shape), spec.obs_dtype) if spec.frame_stack else buf["obs"]
-    ep_return, ep_length = np.zeros(K), np.zeros(K, np.int64)
-    episodes: list[tuple[float, int]] = []
     seq = 0
     state = policy.initial_state(K)  # carried across unrolls; reset where an episode begins
     pace = first.pace_s_per_trajectory  # flow control: the least seconds per trajectory between unroll starts
-    log.info("actor %d (%s): %d x %s, policy version %d", cfg.index, actor_id, K, run_info["env_id"], policy.version)
+    log.info("actor %d (%s): %d x %s (%s, %s), policy version %d", cfg.index, actor_id, K, run_info["env_id"],
+             envs.backend, policy.device, policy.version)
     while not stop.requested:
         unroll_start = time.monotonic()
-        obs_buf[:, 0] = obs
-        buf["truncation_value"][:] = 0.0
-        if spec.core_state_size:  # the state the core processes obs[0] with
-            buf["core_state"][:, 0], buf["core_state"][:, 1] = state[0].numpy(), state[1].numpy()
-        for t in range(T):
-            logits, _, next_state = policy.step(obs, state)
-            actions = np.argmax(logits - np.log(-np.log(rng.random(logits.shape))), axis=1)  # Gumbel-max sample
-            buf["behaviour_logits"][:, t] = logits
-            buf["action"][:, t] = actions
-            beat()
-            cut, ended = [], []
-            for k, env in enumerate(envs):
-                o, r, terminated, truncated, _ = env.step(int(actions[k]))
-                ep_return[k] += r
-                ep_length[k] += 1
-                buf["reward"][k, t] = r
-                buf["terminated"][k, t] = terminated
-                buf["truncated"][k, t] = truncated and not terminated
-                if terminated or truncated:
-                    ended.append(k)
-                    if not terminated:
-                        cut.append((k, o))
-                    episodes.append((float(ep_return[k]), int(ep_length[k])))
-                    ep_return[k], ep_length[k] = 0.0, 0
-                    if applied[k] != difficulty:
-                        applied[k] = set_difficulty(env, difficulty)
-                    o, _ = env.reset()
-                obs[k] = o
-            if cut:  # bootstrap value of the final observations that a time limit cut off (their episodes' state)
-                rows = [k for k, _ in cut]
-                _, v, _ = policy.step(np.stack([o for _, o in cut]).astype(spec.obs_dtype),
-                                      tuple(x[rows] for x in next_state))
-                for (k, _), value in zip(cut, v, strict=True):
-                    buf["truncation_value"][k, t] = value
-            if next_state and ended:  # the next observation begins an episode: the core starts from zeros
-                keep = torch.ones(K, 1)
-                keep[ended] = 0.0
-                next_state = tuple(x * keep for x in next_state)
-            state = next_state
-            obs_buf[:, t + 1] = obs
+        state = unroll(policy, envs, state, rng, buf, obs_buf, beat)
         if spec.frame_stack:
             try:
                 buf["frames"][:] = frames.pack(obs_buf, buf["terminated"] | buf["truncated"])
             except ValueError as e:
                 log.error("actor %d: %s", cfg.index, e)
                 return 2
+        episodes = envs.pop_episodes()
         for lo in range(0, K, per_message):  # the learner caps trajectories per message
             part = buf if per_message >= K else {name: a[lo:lo + per_message] for name, a in buf.items()}
             msg = wire.encode_trajectories(spec, actor_id=actor_id, seq=seq, policy_version=policy.version,
@@ -309,15 +243,41 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
             newer = _receive_weights(sub, cfg.max_weights_bytes, wait_ms, have=(policy.version, policy.incarnation))
             if newer is not None:
                 policy.load(newer)
-                difficulty = difficulty if newer.difficulty is None else newer.difficulty
+                ranks.update(newer.run_info)
+                if newer.difficulty is not None:
+                    envs.set_difficulty(newer.difficulty)
                 pace = newer.pace_s_per_trajectory
             left_s = unroll_start + min(K * pace, cfg.max_pace_wait_s) - time.monotonic()
             if left_s <= 0 or stop.requested:
                 break
             wait_ms = max(1, min(100, int(left_s * 1000)))
-    for env in envs:
-        env.close()
+    envs.close()
     return 0
+
+
+def _make_envs(cfg: ActorConfig, run_info: dict, K: int, obs_dtype: str, seeds) -> VecEnv | None:
+    """The actor's K environments on its backend: ``cfg.env_backend``, else the learner's ``run.env_backend``
+    (informational: a backend the learner names that is unknown or not installed here falls back to gymnasium,
+    with a warning). None, the reason logged, if they cannot be built."""
+    backend, asked = cfg.env_backend, "--env-backend"
+    if not backend:
+        backend, asked = str(run_info.get("env_backend") or "gymnasium"), "the learner's run.env_backend"
+        if backend not in BACKENDS:
+            log.warning("actor %d: unknown env backend %r from the learner: using gymnasium", cfg.index, backend)
+            backend = "gymnasium"
+    env_id, env_kwargs = run_info["env_id"], run_info.get("env_kwargs", {})
+    try:
+        return make_vec(env_id, env_kwargs, K, backend, obs_dtype, seeds=seeds)
+    except (gym.error.DependencyNotInstalled, ValueError) as e:
+        if cfg.env_backend or backend == "gymnasium":
+            log.error("actor %d: cannot build %s (%s): %s", cfg.index, env_id, asked, e)
+            return None
+        log.warning("actor %d: %s (%s asks for envpool): using gymnasium", cfg.index, e, asked)
+    try:
+        return make_vec(env_id, env_kwargs, K, "gymnasium", obs_dtype)
+    except (gym.error.DependencyNotInstalled, ValueError) as e:
+        log.error("actor %d: cannot build %s: %s", cfg.index, env_id, e)
+        return None
 
 
 EXIT_NO_WEIGHTS, EXIT_REFUSED = 3, 5

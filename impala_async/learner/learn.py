@@ -5,6 +5,8 @@ No I/O and no threads here; the server calls :meth:`Learner.step` from its train
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +15,11 @@ from ..core.models import ModelConfig, build_model
 from ..core.spec import TrajectorySpec
 from ..ops.config import LearnerConfig
 from .metrics import RHO_BIN_EDGES
+
+
+class CollectiveError(RuntimeError):
+    """A gradient all-reduce between learner ranks failed (a peer died, left or timed out): raised before the optimizer
+    step, so the weights and the optimizer state are still those of the last update, whole."""
 
 
 def model_config(cfg: LearnerConfig) -> ModelConfig:
@@ -41,6 +48,20 @@ def recurrent_inputs(batch: dict[str, torch.Tensor]) -> tuple[tuple, torch.Tenso
     return (core_state[:, 0], core_state[:, 1]), starts
 
 
+class _Carry(torch.autograd.Function):
+    """The identity on ``x``; its backward hands ``value`` to ``carrier`` as its gradient (see Learner.distribute)."""
+
+    @staticmethod
+    def forward(ctx, x, carrier, value):
+        ctx.save_for_backward(value)
+        return x.clone()  # not a view: autograd treats a view of an input returned by a Function specially
+
+    @staticmethod
+    def backward(ctx, grad):
+        (value,) = ctx.saved_tensors
+        return grad, value, None
+
+
 class Learner:
     def __init__(self, cfg: LearnerConfig, spec: TrajectorySpec, device: torch.device):
         self.cfg = cfg
@@ -62,6 +83,43 @@ class Learner:
         self.updates_skipped = 0  # batches whose loss or gradient was not finite
         self.inputs_clipped = 0  # values from the wire clipped into their documented range
         self._rho_edges = torch.tensor(RHO_BIN_EDGES[1:], device=device)
+        # The network's forward pass over a batch: the model's unroll, or with several learner ranks the same through
+        # DistributedDataParallel (distribute()), which all-reduces the gradients during backward.
+        self.forward = self.model.unroll
+        self.distributed = False
+        self.world = 1  # learner ranks training in lock step
+        self.applying = False  # True while the optimizer changes the weights (a checkpoint then would be torn)
+        self.apply_lock = threading.Lock()  # held while it does, and while a checkpoint reads them
+        self.stop_requested = False  # rank 0: flag the next update as every rank's last (ranks.py)
+        self.stop_agreed = False  # the latest update carried that flag: every rank stops after it
+
+    def distribute(self, device_ids=None) -> None:
+        """Train in lock step with the other learner ranks of the default process group: gradients are averaged over
+        the ranks (DDP). DDP wraps a module whose forward is the model's ``unroll`` (what training calls), and
+        broadcasts rank 0's weights at once, so every rank starts from the same ones. The module has one more
+        parameter, ``stop``, outside the optimizer: its gradient is 1 on a rank that asks every rank to make this
+        update its last (rank 0's ``stop_requested``), else 0, and the all-reduce averages it with the others, so every
+        rank learns the same answer after the same update without a message of its own."""
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        learner = self
+
+        class Unroll(torch.nn.Module):
+            def __init__(self, model):
+                super().__init__()
+                self.model = model
+                self.stop = torch.nn.Parameter(torch.zeros(1, device=learner.device))
+
+            def forward(self, obs, state, starts):
+                logits, values = self.model.unroll(obs, state, starts)
+                flag = torch.full((1,), float(learner.stop_requested), device=self.stop.device)
+                return _Carry.apply(logits, self.stop, flag), values
+
+        self._unroll = Unroll(self.model)
+        self.forward = DistributedDataParallel(self._unroll, device_ids=device_ids)
+        self.distributed = True
+        self.world = dist.get_world_size()
 
     def learning_rate(self) -> float:
         if self.cfg.lr_schedule == "constant":
@@ -94,7 +152,7 @@ class Learner:
         T = T1 - 1
         state, starts = recurrent_inputs(batch) if self.model.recurrent else ((), None)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
-            logits, values = self.model.unroll(obs, state, starts)  # [T+1, B, A], [T+1, B]
+            logits, values = self.forward(obs, state, starts)  # [T+1, B, A], [T+1, B]
         logits, values = logits.float(), values.float()  # everything after the network in fp32
 
         def tm(name):  # time-major [T, B, ...]
@@ -132,18 +190,32 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if not self.distributed:
+            loss.backward()
+        else:
+            # The ranks must agree to skip: a rank whose loss is not finite makes its gradient NaN (x NaN, never
+            # x 0), so the averaged gradient, and with it grad_norm, is NaN on every rank. x 1.0 changes no bit.
+            loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, float("nan"))
+            self._unroll.stop.grad = None
+            try:
+                loss.backward()  # DDP all-reduces the gradients here
+            except RuntimeError as e:
+                raise CollectiveError(f"gradient all-reduce failed: {str(e)[:300]}") from e
+            self.stop_agreed = bool(self._unroll.stop.grad.item() > 0)
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.env_steps_trained += B * T
+        self.env_steps_trained += B * T * self.world  # the whole learner's: every rank trained a batch like this one
         # A batch whose loss or gradient is not finite would turn every weight into NaN: skip the update.
         skipped = not bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)
             self.updates_skipped += 1
         else:
-            self.optimizer.step()
-            self.updates += 1
+            with self.apply_lock:
+                self.applying = True
+                self.optimizer.step()
+                self.updates += 1
+                self.applying = False
 
         with torch.no_grad():
             rhos = vt.log_rhos.exp()

@@ -13,6 +13,7 @@ import numpy as np
 from ..core.wire import REJECT_REASONS
 from .guard import CUT_REASONS
 from .ingest import UNAUTHENTICATED
+from .rankwatch import totals
 
 # Bin edges of the importance-weight histogram in the metrics (policy-collapse diagnosis: mass far from 1).
 RHO_BIN_EDGES = (0.0, 0.1, 0.5, 0.8, 0.95, 1.05, 1.25, 2.0, 10.0)
@@ -27,8 +28,10 @@ class Reporter:
 
     def _snapshot(self, now: float) -> dict:
         s, ing = self.s, self.s.ingest
-        return {"t": now, "env_steps": ing.env_steps, "trajectories": ing.trajectories_received,
-                "bytes": ing.bytes_received, "decoded": ing.decoded_bytes, "batches": s.trainer.batches,
+        summed, _ = totals(s)  # every learner rank's (ranks.py); this one's alone with one rank
+        return {"t": now, "env_steps": summed["env_steps"], "trajectories": summed["trajectories_received"],
+                "own_trajectories": ing.trajectories_received, "bytes": summed["bytes_received"],
+                "decoded": summed["decoded_bytes"], "batches": s.trainer.batches,
                 "stages": {**s.stage_s, **ing.stage_s, **s.trainer.stage_s}}
 
     def record(self, stats: list[dict], lags: list[tuple[int, float, int]]) -> dict:
@@ -39,6 +42,7 @@ class Reporter:
         cur, prev = self._snapshot(now), self._prev
         dt = max(1e-9, now - prev["t"])
         d_traj = cur["trajectories"] - prev["trajectories"]
+        d_own = cur["own_trajectories"] - prev["own_trajectories"]  # ingest stage times are this rank's
         d_trained = (cur["batches"] - prev["batches"]) * s.cfg.batch_size
         rec = {
             "wall_s": round(s.wall_offset_s + now - s.t0, 3),
@@ -77,7 +81,7 @@ class Reporter:
             # trajectory trained (the two differ when batches are dropped).
             "stage_s_per_trajectory": {k: (v - prev["stages"][k]) / n if n else None
                                        for k, v in cur["stages"].items()
-                                       for n in [d_trained if k in s.trainer.stage_s else d_traj]},
+                                       for n in [d_trained if k in s.trainer.stage_s else d_own]},
             "ring_ready_batches": ring.ready_batches(),
             "ring_waiting_trajectories": ring.waiting_trajectories(),
             "pace_s_per_trajectory": round(s.pacer.pace_s_per_trajectory, 6),
@@ -116,6 +120,15 @@ class Reporter:
             rec[name] = float(np.mean([st[name] for st in stats])) if stats else None
         rec["rho_hist"] = np.sum([st["rho_hist"] for st in stats], axis=0).tolist() if stats else None
         rec["rho_hist_edges"] = list(RHO_BIN_EDGES)
+        # With several learner ranks the ingest counters are sums over the ranks, and each rank's figures are under
+        # "ranks" (the others' as of their latest heartbeat); episode_return_mean is over the episodes rank 0 got.
+        summed, per_rank = totals(s)
+        rec.update({k: summed[k] for k in ("env_steps", "episodes", "trajectories_received", "trajectories_rejected",
+                                           "messages_received", "messages_rejected", "bytes_received",
+                                           "trajectories_dropped", "dropped_full", "dropped_stale",
+                                           "dropped_incarnation", "ring_ready_batches", "ring_waiting_trajectories")})
+        rec["learner_ranks"] = s.cfg.learner_ranks
+        rec["ranks"] = per_rank
         ing.latency_s.reset()
         s.loop_lag_s.reset()
         self._prev = cur

@@ -21,6 +21,13 @@ the pace never wait, so a learner that is not the bottleneck costs nothing. Befo
 seconds) the pace is 0: no pacing. A rate, not a grant: no actor waits for a reply to its own messages, so there is
 no deadlock, no per-actor state in the weights message (whose size stays independent of the fleet), and actors that
 ignore the field (older or foreign ones) are held back only by ``when_full``.
+
+With ``ranks`` learner ranks (learner/ranks.py) rank 0 alone computes the pace, from its own figures: the ranks train
+in lock step, one batch each per update, and actors spread their messages over the ranks round-robin, so the whole
+learner consumes ``ranks`` times what rank 0 does, and each rank holds about as many waiting as rank 0. So the rate
+is multiplied by ``ranks`` while ``factor`` compares rank 0's waiting with rank 0's target (both would be ``ranks``
+times larger over the whole learner: the ratio is the same), and an actor, whose messages reach rank 0 only every
+``ranks``-th time, counts as a sender ``ranks`` times as long.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ STARVED_S = 0.001  # a trainer that waited longer than this for a batch was star
 
 class Pacer:
     def __init__(self, target_trajectories: float, window_s: float, max_pace_s_per_trajectory: float,
-                 capacity_trajectories: int = 1 << 30, max_tracked_senders: int = 100_000):
+                 capacity_trajectories: int = 1 << 30, max_tracked_senders: int = 100_000, ranks: int = 1):
         """``target_trajectories`` > 0: the fewest trajectories the learner wants waiting; 0 turns pacing off (pace
-        0). ``capacity_trajectories``: what the ring holds (the target stays a message and a batch below it)."""
+        0). ``capacity_trajectories``: what the ring holds (the target stays a message and a batch below it).
+        ``ranks``: learner ranks training in lock step (this pacer sees one rank's share of the data)."""
+        self.ranks = max(1, int(ranks))
         self.base_target = self.target = float(target_trajectories)
         self.capacity = capacity_trajectories
         self.window_s = float(window_s)
@@ -82,7 +91,7 @@ class Pacer:
         while self._consumed and self._consumed[0][0] < horizon:
             self._consumed.popleft()
         # An actor keeping a slow pace sends less often than the window: it still counts for a few of its intervals.
-        horizon = now - max(self.window_s, 4 * self.pace_s_per_trajectory * self._largest)
+        horizon = now - max(self.window_s, 4 * self.ranks * self.pace_s_per_trajectory * self._largest)
         while self._senders:
             actor, at = next(iter(self._senders.items()))
             if at >= horizon:
@@ -103,7 +112,7 @@ class Pacer:
             # learner that stopped consuming does not keep advertising its old rate.
             first_at = self._consumed[0][0]
             taken = sum(n for _, n in list(self._consumed)[1:])
-            rate = taken / max(1e-6, now - first_at)
+            rate = self.ranks * taken / max(1e-6, now - first_at)  # the whole learner's
             # A message arrives whole: wanting fewer waiting than one message holds would swing the pace between
             # its extremes at every arrival.
             target = max(self.target, self._largest)

@@ -35,6 +35,8 @@ from .learn import Learner
 from .metrics import MetricsWriter, Progress, Reporter
 from .pacing import Pacer
 from .publisher import WeightsPublisher
+from .ranks import RankGroup
+from .rankwatch import totals
 from .trainer import Trainer
 from .watch import CollapseWatch
 
@@ -44,16 +46,19 @@ MAX_DRAIN_MESSAGES = 256  # messages handled per wake-up before yielding to othe
 MAX_DRAIN_S = 0.005  # ... or this much time
 LOOP_LAG_PROBE_S = 0.01
 FD_RESERVE = 256  # file descriptors kept free of connections: logs, checkpoints, actor pipes, libraries
-# Exit codes (argparse uses 2 for usage errors).
+# Exit codes (argparse uses 2 for usage errors; 6, a learner rank failed: EXIT_RANK_FAILED, rankwatch.py).
 EXIT_ERROR, EXIT_ACTORS_FAILED, EXIT_NO_DATA, EXIT_NO_CHECKPOINT = 1, 3, 4, 5
 
 
 class LearnerServer:
     def __init__(self, cfg: LearnerConfig, learner: Learner, spec: TrajectorySpec, run_info: dict, logdir: Path,
                  *, start_monotonic: float, actors: ActorProcesses | None = None, resumed: dict | None = None,
-                 keys=None):
-        """``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP authentication."""
+                 keys=None, ranks: RankGroup | None = None):
+        """``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP authentication. ``ranks``: this
+        learner is one rank of several (ranks.py); only rank 0 (the lead) publishes, reports and checkpoints."""
         self.cfg, self.learner, self.spec, self.run_info = cfg, learner, spec, run_info
+        self.ranks = ranks
+        self.lead = ranks is None or ranks.rank == 0
         self.keys = keys
         self.logdir = Path(logdir)
         self.device = learner.device
@@ -66,8 +71,11 @@ class LearnerServer:
                                after_update=self._after_update, on_exit=self._on_trainer_exit)
         # A learner run's incarnation: it travels with the weights, and trajectories acted with them carry it back,
         # so that messages acted under an earlier run's weights (after a restart) are told apart from forged ones.
-        self.incarnation = wire.new_incarnation()
-        self.ingest = Ingest(cfg, spec, self.ring, lambda: self.trainer.policy_version, self.incarnation,
+        self.incarnation = wire.new_incarnation() if ranks is None else ranks.incarnation  # rank 0's, on every rank
+        # Rank 0 publishes a version once it has made the update; another rank may finish that same update a moment
+        # later (lock step: never more than one behind), so it accepts one version ahead of its own.
+        ahead = 0 if self.lead else 1
+        self.ingest = Ingest(cfg, spec, self.ring, lambda: self.trainer.policy_version + ahead, self.incarnation,
                              identities=keys is not None)
         self.wall_offset_s = 0.0
         if resumed:
@@ -79,7 +87,7 @@ class LearnerServer:
         self.pacer = Pacer(cfg.pace_target_batches * cfg.batch_size if cfg.flow_control == "pace" else 0,
                            cfg.pace_window_s, cfg.max_pace_s_per_trajectory,
                            capacity_trajectories=cfg.ring_batches * cfg.batch_size,
-                           max_tracked_senders=cfg.max_tracked_actors)
+                           max_tracked_senders=cfg.max_tracked_actors, ranks=cfg.learner_ranks)
         self._waited_s = 0.0  # the training thread's wait for batches, at the last update
         self.ingest.pacer = self.pacer
         self.watch = CollapseWatch.from_config(cfg, spec.num_actions, fresh=not resumed)
@@ -142,26 +150,35 @@ class LearnerServer:
         self.publisher = WeightsPublisher(self.ctx, cfg, secure)
         self.pull.bind(cfg.listen)
         self.listen_endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.publish_endpoint = self.publisher.bind(cfg.publish)
+        # Only rank 0 publishes; another rank's publisher is bound where nobody can reach it.
+        self.publish_endpoint = self.publisher.bind(cfg.publish if self.lead else "inproc://unpublished-weights")
+        addresses = [self.listen_endpoint] if self.ranks is None else self.ranks.share_address(self.listen_endpoint)
+        if self.lead:  # every rank's trajectory address, in rank order (docs/protocol.md, Transport)
+            self.run_info["trajectory_addresses"] = addresses
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._on_signal, sig)
         self._loop.add_signal_handler(signal.SIGUSR1, self._dump_state)
         if checkpoint.remove_partial(self.logdir):
             log.warning("removed a partial checkpoint left by an interrupted write in %s", self.logdir)
-        self.checkpoints = checkpoint.CheckpointWriter(self.logdir, self.cfg.checkpoint_keep)
-        self.metrics = MetricsWriter(self.logdir / "metrics.jsonl")
-        self.progress = Progress()
-        weights = self._encode_weights()
-        if weights is None:
-            raise RuntimeError("the initial weights are not finite")
-        self.publisher.publish(weights)
+        if self.lead:  # what exists of these tells the shutdown what to do (hasattr(self, "metrics"))
+            self.checkpoints = checkpoint.CheckpointWriter(self.logdir, self.cfg.checkpoint_keep)
+            self.metrics = MetricsWriter(self.logdir / "metrics.jsonl")
+            self.progress = Progress()
+            weights = self._encode_weights()
+            if weights is None:
+                raise RuntimeError("the initial weights are not finite")
+            self.publisher.publish(weights)
+        if self.ranks is not None:
+            self.ranks.watch(self)
         self.trainer.start()
+        if not self.lead:
+            return
         prom.start(self)  # TensorBoard writer, /metrics and /healthz, if asked for
         log.info("learner: trajectories in on %s, weights out on %s, logdir %s, device %s%s",
                  self.listen_endpoint, self.publish_endpoint, self.logdir, self.device,
                  ", ingest only" if self.cfg.ingest_only else "")
-        print(f"impala-async learner listening: --learner {self.listen_endpoint} --weights {self.publish_endpoint}",
-              flush=True)
+        print(f"impala-async learner listening: --learner {self.listen_endpoint} --weights {self.publish_endpoint}"
+              + (f" (learner ranks: {' '.join(addresses)})" if len(addresses) > 1 else ""), flush=True)
         if self.actors is not None:
             self.actors.start()
 
@@ -202,8 +219,9 @@ class LearnerServer:
         self.fd_limit = soft
 
     async def _main(self) -> None:
-        tasks = [asyncio.create_task(c) for c in (self._receive_loop(), self._republish_loop(), self._report_loop(),
-                                                  self._watch_loop(), self._loop_lag_loop(), self._guard_loop())]
+        loops = (self._receive_loop(), self._republish_loop(), self._watch_loop(), self._loop_lag_loop(),
+                 self._guard_loop(), *([self._report_loop()] if self.lead else []))
+        tasks = [asyncio.create_task(c) for c in loops]
         stop = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
         for t in done:
@@ -221,6 +239,8 @@ class LearnerServer:
         if not self._stop.is_set():
             self.exit_reason, self.exit_code = reason, code
             self._stop.set()
+            if self.ranks is not None:
+                self.ranks.announce(reason, code)
 
     def _on_signal(self, sig: int) -> None:
         self._signals += 1
@@ -247,6 +267,8 @@ class LearnerServer:
         log.error("forced exit: %s", why)
         if self.actors is not None:
             self.actors.kill()
+        if self.ranks is not None:
+            self.ranks.kill_children()
         os._exit(130)
 
     async def _shutdown(self) -> None:
@@ -255,8 +277,18 @@ class LearnerServer:
         timer = self._loop.call_later(self.cfg.shutdown_timeout_s, self._force_exit, "shutdown timeout")
         try:
             # Intake is already stopped (the receive task is cancelled); mirror the startup from here.
-            stopped = await self._loop.run_in_executor(None, self.trainer.stop, self.cfg.shutdown_timeout_s)
-            if stopped and self.trainer.error is None and hasattr(self, "metrics"):
+            if self.ranks is None:
+                stopped = await self._loop.run_in_executor(None, self.trainer.stop, self.cfg.shutdown_timeout_s)
+            else:  # every rank after the same update (ranks.py), which needs a batch on each: intake goes on till then
+                trained = asyncio.Event()
+                intake = asyncio.create_task(self._receive_loop(until=trained))
+                stopped = await self._loop.run_in_executor(None, self.ranks.stop_training, self)
+                trained.set()
+                await asyncio.wait([intake], timeout=1.0)
+            # With several ranks a failed (or stuck) training thread failed in the all-reduce, before the optimizer
+            # step: the weights are still those of the last update, whole, unless it failed while applying one.
+            whole = self.trainer.error is None if self.ranks is None else not self.learner.applying
+            if (stopped or self.ranks is not None) and whole and hasattr(self, "metrics"):
                 path = await self._loop.run_in_executor(None, self._final_checkpoint)
                 if path is not None:
                     log.info("final checkpoint: %s", path)
@@ -267,6 +299,8 @@ class LearnerServer:
                 self.progress.close()
             if self.actors is not None:
                 await self._loop.run_in_executor(None, self.actors.stop, max(1.0, self.cfg.shutdown_timeout_s / 2))
+            if self.ranks is not None:
+                await self._loop.run_in_executor(None, self.ranks.finish, self)
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
                 self._loop.remove_signal_handler(sig)
@@ -288,7 +322,7 @@ class LearnerServer:
         log.info("learner stopped: %s", self.exit_reason)
 
     # --------------------------------------------------------------------------------------------------- intake
-    async def _receive_loop(self) -> None:
+    async def _receive_loop(self, until: asyncio.Event | None = None) -> None:
         """Drain the PULL socket with non-blocking receives; sleep on its file descriptor only when it is empty.
 
         ZeroMQ's FD is edge-triggered ("something may have changed"): the loop checks ZMQ_EVENTS before sleeping
@@ -298,9 +332,10 @@ class LearnerServer:
         readable = asyncio.Event()
         fd = sync.getsockopt(zmq.FD)
         self._loop.add_reader(fd, readable.set)
-        recv_s = 0.0
+        recv_s = self.stage_s["receive"]  # cumulative (the loop runs again during a shutdown with ranks)
+        until = until or self._stop
         try:
-            while not self._stop.is_set():
+            while not until.is_set():
                 self.receive_beat = time.monotonic()  # /healthz: at least every 0.1 s unless the loop is stalled
                 if not ingest.continue_pending():
                     self._room.clear()
@@ -359,23 +394,25 @@ class LearnerServer:
         now = time.monotonic()
         if self.cfg.ingest_only:
             return False
-        if now - self._last_publish >= self.cfg.publish_interval_s:
+        if self.lead and now - self._last_publish >= self.cfg.publish_interval_s:
             self._last_publish = now
             weights = self._encode_weights()
             if weights is not None:
                 self._loop.call_soon_threadsafe(self.publisher.publish, weights)
-        if now - self._last_checkpoint >= self.cfg.checkpoint_interval_s:
+        if self.lead and now - self._last_checkpoint >= self.cfg.checkpoint_interval_s:
             self._last_checkpoint = now
             if self._try_checkpoint() is None:  # retried sooner than the next regular one; training goes on
                 self._last_checkpoint = now - self.cfg.checkpoint_interval_s + self.cfg.checkpoint_retry_interval_s
-        if self.learner.env_steps_trained >= self.cfg.total_env_steps:
+        if self.learner.env_steps_trained >= self.cfg.total_env_steps:  # with ranks: all after the same update
             self._loop.call_soon_threadsafe(self.request_stop, "total_env_steps reached", 0)
             return True
-        return False
+        return self.learner.stop_agreed  # rank 0 flagged this update as every rank's last (ranks.py)
 
     def _on_trainer_exit(self, error: BaseException | None) -> None:
         if error is not None:
-            self._loop.call_soon_threadsafe(self.request_stop, f"training failed: {error!r}", EXIT_ERROR)
+            reason, code = (f"training failed: {error!r}", EXIT_ERROR) if self.ranks is None else \
+                self.ranks.explain(error)
+            self._loop.call_soon_threadsafe(self.request_stop, reason, code)
 
     def _encode_weights(self) -> bytes | None:
         """The current weights as a weights message; None (and an error logged) if any of them is not finite: such
@@ -387,7 +424,7 @@ class LearnerServer:
             log.error("not publishing weights with non-finite values in %s", bad[:5])
             return None
         if self.curriculum is not None:
-            self.difficulty = self.curriculum.value(self.ingest.episodes)
+            self.difficulty = self.curriculum.value(totals(self)[0]["episodes"])  # every rank's episodes
         pace = self.pacer.pace(self.ring.waiting_trajectories())
         return wire.encode_weights(self.trainer.policy_version, state, self.run_info, self.incarnation,
                                    difficulty=self.difficulty, pace_s_per_trajectory=pace)
@@ -473,12 +510,12 @@ class LearnerServer:
 
     # -------------------------------------------------------------------------------------------- checkpoints
     def checkpoint_state(self) -> dict:
-        ing = self.ingest
+        ing, summed = self.ingest, totals(self)[0]  # env steps and episodes of every rank
         return {
             "learner": self.learner.state_dict(),
             "policy_version": self.trainer.policy_version,
-            "env_steps": ing.env_steps,
-            "episodes": ing.episodes,
+            "env_steps": summed["env_steps"],
+            "episodes": summed["episodes"],
             "returns": list(ing.returns),
             "lengths": list(ing.lengths),
             "wall_s": self.wall_offset_s + time.monotonic() - self.t0,
@@ -490,9 +527,10 @@ class LearnerServer:
     def save_checkpoint(self) -> Path:
         """Write a checkpoint; raises if the weights are not finite (such a checkpoint is never written) or the write
         fails."""
-        if not self.learner.parameters_finite():
-            raise ValueError("the weights are not finite")
-        return self.checkpoints.save(self.checkpoint_state(), self.learner.env_steps_trained)
+        with self.learner.apply_lock:  # never while an update is applied (a training thread stuck in a collective)
+            if not self.learner.parameters_finite():
+                raise ValueError("the weights are not finite")
+            return self.checkpoints.save(self.checkpoint_state(), self.learner.env_steps_trained)
 
     def _try_checkpoint(self) -> Path | None:
         """save_checkpoint, with a failure (disk full, no file descriptor) reported and counted, not raised."""

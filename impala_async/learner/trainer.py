@@ -60,6 +60,11 @@ class Trainer:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the thread to end by itself (it goes on training meanwhile). True if it did within timeout_s."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def stop(self, timeout_s: float) -> bool:
         """Ask the thread to finish its current update and exit. True if it did within timeout_s."""
         self._stop.set()

@@ -69,6 +69,8 @@ PER_INVOCATION_FIELDS = ("metrics_port", "metrics_host")
 CURRICULA = ("none", "linear")  # --curriculum: the schedules of learner/curriculum.py, and none
 FLOW_CONTROLS = ("pace", "none")  # --flow-control (learner/pacing.py)
 OBS_CODECS = ("lz4", "jpeg")  # --obs-codec: how actors are asked to send image observations (core/codecs.py)
+ENV_BACKENDS = ("gymnasium", "envpool")  # --env-backend (actors/vec.py)
+DEFAULT_ENV_BACKEND = "gymnasium"  # flip to "envpool" once it measures faster for Atari (BENCHMARKS.md, EnvPool)
 
 
 def opt(default, help: str, **kw):
@@ -92,6 +94,11 @@ class LearnerConfig:
                                  "included, but the one the learner keeps; 0: none, attach external actors instead)")
     envs_per_actor: int = opt(32, "environments each actor steps with one batched forward pass")
     unroll_length: int = opt(20, "T: environment steps per trajectory")
+    env_backend: str = opt(DEFAULT_ENV_BACKEND, "how actors step Atari ids: gymnasium, or envpool (EnvPool's C++ "
+                                                "batch, pip install 'impala-async[envpool]'); other ids (MinAtar, "
+                                                "CartPole, ...) always use gymnasium. Sent to actors as "
+                                                "run.env_backend; an actor's --env-backend wins")
+    actor_device: str = opt("cpu", "where local actors run the policy's forward pass: cpu or cuda[:N]")
     # ---- model
     model: str = opt("auto", "network: auto (mlp for vectors; for uint8 images the MinAtar net up to 16x16 pixels, the "
                              "Nature CNN above), mlp, shallow (the Nature CNN), minatar, or deep (the IMPALA ResNet)")
@@ -206,6 +213,19 @@ class LearnerConfig:
     jpeg_quality: int = opt(90, "JPEG quality, 1 to 100, that actors encode images with under --obs-codec jpeg")
     ingest_only: int = opt(0, "1: decode into the ring and release batches without training (load tests)")
     overlap_copies: int = opt(1, "CUDA: copy batch k+1 to the GPU on its own stream while batch k trains (0: serial)")
+    # ---- several learner ranks (torch.distributed; learner/ranks.py, README "Several learner ranks")
+    learner_ranks: int = opt(1, "learner ranks (processes) training in lock step with averaged gradients, each on "
+                                "its own trajectory socket (rank r >= 1 on the listen port + 1 + r) and, on CUDA, "
+                                "GPU cuda:r; under torchrun WORLD_SIZE gives it")
+    rank_collective_timeout_s: float = opt(60.0, "the longest a rank waits in a gradient all-reduce for the others "
+                                                 "(one of them has no batch yet); then the learner stops (exit 6)")
+    rank_start_timeout_s: float = opt(120.0, "every learner rank must have joined (and bound its socket) within this")
+    rank_heartbeat_interval_s: float = opt(0.5, "learner ranks report that they are alive (and their counters) "
+                                                "this often")
+    rank_heartbeat_timeout_s: float = opt(5.0, "a learner rank silent for this long is taken for dead: the learner "
+                                               "stops (exit 6)")
+    rank_state_dump: int = opt(0, "1: at exit every learner rank writes LOGDIR/rank-<r>-state.pt (model and "
+                                  "optimizer state, updates) so that ranks can be compared (tests)")
     # ---- policy-collapse warnings on the console (learner/watch.py; the source article, section 4)
     collapse_entropy_fraction: float = opt(0.1, "warn of a policy collapse when the entropy (median of the last 3 "
                                                 "reports) falls below this fraction of its maximum over the last "
@@ -323,6 +343,10 @@ class LearnerConfig:
             need(math.isfinite(v) and 0 <= v < 1, f"{name} must lie in [0, 1) (0: off), got {v}")
         need(self.collapse_window_updates >= 1, "collapse_window_updates must be >= 1")
         need(self.collapse_warn_interval_s >= 0, "collapse_warn_interval_s must be >= 0")
+        need(self.env_backend in ENV_BACKENDS, f"env_backend must be one of {', '.join(ENV_BACKENDS)}, got "
+                                               f"{self.env_backend!r}")
+        need(self.actor_device == "cpu" or self.actor_device.startswith("cuda"),
+             f"actor_device must be cpu or cuda[:N], got {self.actor_device!r}")
         need(self.obs_codec in OBS_CODECS, f"obs_codec must be one of {', '.join(OBS_CODECS)}, got "
                                            f"{self.obs_codec!r}")
         need(1 <= self.jpeg_quality <= 100, f"jpeg_quality must lie in [1, 100], got {self.jpeg_quality}")
@@ -340,6 +364,12 @@ class LearnerConfig:
             need(math.isfinite(v) and v > 0, f"{name} must be a finite number > 0, got {v}")
         need(self.tensorboard in (0, 1), "tensorboard must be 0 or 1")
         need(self.max_tensorboard_queue_records >= 1, "max_tensorboard_queue_records must be >= 1")
+        need(self.learner_ranks >= 1, "learner_ranks must be >= 1")
+        need(self.rank_state_dump in (0, 1), "rank_state_dump must be 0 or 1")
+        for name in ("rank_collective_timeout_s", "rank_start_timeout_s", "rank_heartbeat_interval_s"):
+            need(math.isfinite(getattr(self, name)) and getattr(self, name) > 0, f"{name} must be a finite number > 0")
+        need(self.rank_heartbeat_timeout_s > 2 * self.rank_heartbeat_interval_s, "rank_heartbeat_timeout_s must "
+             "exceed twice rank_heartbeat_interval_s, or healthy ranks would be taken for dead")
         need(self.checkpoint_keep >= 1, "checkpoint_keep must be >= 1: the newest checkpoint is the one resume needs")
         try:
             sizes = self.hidden_size_tuple

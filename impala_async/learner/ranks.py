@@ -1,0 +1,332 @@
+"""Several learner ranks: torch.distributed between learner processes (README, "Several learner ranks").
+
+Each rank is a whole learner server (its own trajectory socket, ring, ingest, receive loop and training thread) that
+trains on its own batches; the gradients are averaged over the ranks by DistributedDataParallel (learn.py,
+``Learner.distribute``: gloo on CPU, NCCL on CUDA with rank r on cuda:LOCAL_RANK), so every rank holds the same weights
+after every update. An update takes one batch from every rank, in lock step. Rank 0 alone publishes weights, writes
+metrics.jsonl and checkpoints, and starts train's local actors.
+
+Started two ways, one code path: ``--learner-ranks N`` makes this process rank 0, which hosts the rendezvous store (a
+TCPStore on a free loopback port) and starts ranks 1..N-1 as children running the same command line with RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (each in its own session, dying with it); under ``torchrun``
+every process finds those variables set already. Besides the gradients, the ranks share, in that store:
+- ``config``: rank 0's configuration (JSON), so that every rank runs the same one (a checkpoint's, with --resume), and
+  the learner's incarnation (docs/protocol.md, "Learner restarts"); the checkpoint state itself goes to the others by
+  a broadcast (broadcast_object_list): the same weights and optimizer state on every rank;
+- ``ready/<r>``, ``address/<r>``: rank r joined; the trajectory address it bound (rank 0 sends them all in
+  ``run.trajectory_addresses``);
+- ``beat/<r>`` and ``stop``: heartbeats with counters, and the first stop of any rank (rankwatch.py).
+
+Stopping. A normal stop ends every rank after the same update: rank 0 marks the next update (its gradients carry a
+flag through the same all-reduce, learn.py), and every rank stops after it. A rank that dies or fails stops the others:
+its peers' all-reduce fails (gloo notices a closed connection at once; a hung peer after rank_collective_timeout_s),
+rank 0 sees its child exit or its heartbeat stop, and rank 0 writes a checkpoint of the last whole update and exits
+with EXIT_RANK_FAILED (6, rankwatch.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from .rankwatch import RankWatch
+
+log = logging.getLogger("impala_async.learner.ranks")
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+PARENT_ENV = "IMPALA_ASYNC_RANK_PARENT"  # set by rank 0 for the ranks it starts: their parent's pid
+
+
+def launched() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when torchrun or rank 0 started this process (the environment says so)."""
+    if not all(os.environ.get(k) for k in _ENV):
+        return None
+    rank = int(os.environ["RANK"])
+    return rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank))
+
+
+def env_rank() -> int:
+    got = launched()
+    return got[0] if got else 0
+
+
+def rank_address(listen: str, rank: int) -> str:
+    """Where rank ``rank`` binds its trajectory socket, from the learner's --listen (rank 0's): tcp on the same host,
+    port P + 1 + rank (P + 1 is the weights port), so N ranks take ports P .. P + N; a wildcard port stays one (each
+    rank gets its own); ipc://PATH becomes ipc://PATH.rank<r>."""
+    if rank == 0:
+        return listen
+    if listen.startswith("tcp://"):
+        host, _, port = listen[len("tcp://"):].rpartition(":")
+        if port == "*":
+            return listen
+        if not port.isdigit() or int(port) + 1 + rank > 65535:
+            raise ValueError(f"cannot derive rank {rank}'s trajectory address from --listen {listen!r}")
+        return f"tcp://{host}:{int(port) + 1 + rank}"
+    if listen.startswith("ipc://"):
+        return f"{listen}.rank{rank}"
+    raise ValueError(f"cannot derive rank {rank}'s trajectory address from --listen {listen!r}")
+
+
+def _log_format(rank: int) -> None:
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname).1s rank{rank} %(name)s: %(message)s",
+                                               datefmt="%H:%M:%S"))
+
+
+def _die_with_parent() -> None:
+    """A rank started by rank 0 ends with it (SIGTERM when it dies, whatever the way)."""
+    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
+    if not parent:
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:
+        raise SystemExit(0)
+
+
+def _prefix(raw):
+    from torch.distributed import PrefixStore
+    return PrefixStore(f"impala-async/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", raw)
+
+
+def _connect(rank: int, world: int, timeout_s: float):
+    """The store of the environment's rendezvous: torchrun's agent store, or rank 0's (rank 0 hosts it)."""
+    from torch.distributed import TCPStore
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    raw = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                   is_master=rank == 0 and not agent, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return raw, _prefix(raw)
+
+
+def join_worker(cfg):
+    """Rank r > 0: join rank 0's store and take its configuration. None in any other process."""
+    got = launched()
+    if got is None or got[0] == 0:
+        return None
+    from ..ops.config import LearnerConfig
+    rank, world, local = got
+    _die_with_parent()
+    _log_format(rank)
+    try:
+        raw, store = _connect(rank, world, cfg.rank_start_timeout_s)
+        values = json.loads(store.get("config"))  # waits for rank 0 (up to rank_start_timeout_s)
+    except Exception as e:
+        raise SystemExit(f"impala-async: learner rank {rank}: no configuration from rank 0 at "
+                         f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}: {e}") from None
+    group = RankGroup(rank, world, local, raw, store)
+    group.cfg = LearnerConfig(**values.pop("config"))
+    group.incarnation = values["incarnation"]
+    return group
+
+
+def join_lead(cfg, resumed: dict | None, argv: list[str]):
+    """Rank 0: under torchrun join its rendezvous; with --learner-ranks N > 1 host one and start ranks 1..N-1 (the same
+    command line). Shares the configuration. None for a learner of one rank."""
+    got = launched()
+    children: list[subprocess.Popen] = []
+    listener = None
+    if got is not None:
+        rank, world, local = got
+        if cfg.learner_ranks not in (1, world):
+            raise SystemExit(f"impala-async: --learner-ranks {cfg.learner_ranks} but WORLD_SIZE={world} (torchrun "
+                             f"gives the number of ranks: leave --learner-ranks out)")
+        if world == 1:
+            return None
+        cfg.learner_ranks = world
+        _log_format(0)
+        raw, store = _connect(0, world, cfg.rank_start_timeout_s)
+    elif cfg.learner_ranks > 1:
+        from torch.distributed import TCPStore
+        world, local = cfg.learner_ranks, 0
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))  # loopback only: nothing outside this machine reaches the store
+        listener.listen(4 * world)
+        port = listener.getsockname()[1]
+        raw = TCPStore("127.0.0.1", port, world, is_master=True, timeout=timedelta(seconds=cfg.rank_start_timeout_s),
+                       wait_for_workers=False, master_listen_fd=listener.fileno())
+        store = _prefix(raw)
+        env = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{PARENT_ENV: str(os.getpid())})
+        if "GLOO_SOCKET_IFNAME" not in env and "lo" in {name for _, name in socket.if_nameindex()}:
+            os.environ["GLOO_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs on loopback too
+        _log_format(0)
+        for r in range(1, world):
+            # Own session: a Ctrl-C in the terminal reaches rank 0 only, which stops the others in order.
+            children.append(subprocess.Popen([sys.executable, "-m", "impala_async", *argv], stdin=subprocess.DEVNULL,
+                                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                             start_new_session=True))
+            log.info("learner rank %d: pid %d", r, children[-1].pid)
+    else:
+        return None
+    group = RankGroup(0, world, local, raw, store, children)
+    group.listener = listener
+    group.cfg, group.resumed = cfg, resumed
+    from ..core import wire
+    group.incarnation = wire.new_incarnation()  # one for the whole learner: trajectories carry it to any rank
+    store.set("config", json.dumps({"config": dataclasses.asdict(cfg), "incarnation": group.incarnation}))
+    return group
+
+
+class RankGroup:
+    def __init__(self, rank: int, world: int, local_rank: int, raw_store, store, children=()):
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+        self.raw_store, self.store = raw_store, store
+        self.children: list[subprocess.Popen] = list(children)
+        self.listener = None
+        self.cfg = None
+        self.resumed: dict | None = None
+        self.incarnation = 0
+        self.watcher: RankWatch | None = None
+        self.stuck = False  # at exit: the training thread did not end (stuck in a collective)
+
+    # ---------------------------------------------------------------------------------------------- startup
+    def start(self, device):
+        """Join the process group (gloo, or NCCL on cuda:LOCAL_RANK) and take rank 0's checkpoint state; returns the
+        device this rank trains on. Rank 0 first waits until every rank is ready (a rank that exits first is named)."""
+        import torch
+        import torch.distributed as dist
+        cfg = self.cfg
+        if device.type == "cuda":
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+            # A failed or timed-out collective raises in the training thread (which then stops the learner with a
+            # whole checkpoint) instead of the watchdog tearing the process down.
+            os.environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+            os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+        self.store.set(f"ready/{self.rank}", str(os.getpid()))
+        if self.rank == 0:
+            self._wait_for([f"ready/{r}" for r in range(self.world)], cfg.rank_start_timeout_s, "to start")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore("pg", self.store),
+                                rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=cfg.rank_collective_timeout_s))
+        box = [self.resumed]
+        dist.broadcast_object_list(box, src=0)
+        resumed = box[0]
+        if resumed is not None and self.rank:  # rank 0 alone keeps the run's counters (the metrics sum the rest)
+            resumed = {**resumed, "env_steps": 0, "episodes": 0, "returns": [], "lengths": []}
+        self.resumed = resumed
+        cfg.listen = rank_address(cfg.listen, self.rank)
+        self.device = device
+        log.info("learner rank %d of %d: %s on %s", self.rank, self.world, dist.get_backend(), device)
+        return device
+
+    def distribute(self, learner) -> None:
+        self.learner = learner
+        learner.distribute([self.local_rank] if learner.device.type == "cuda" else None)
+
+    def _wait_for(self, keys: list[str], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            for r, child in enumerate(self.children, start=1):
+                if child.poll() is not None:
+                    raise SystemExit(f"impala-async: learner rank {r} (pid {child.pid}) exited with code "
+                                     f"{child.returncode} before the ranks could start")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"impala-async: the learner ranks did not all get ready {what} within "
+                                 f"rank_start_timeout_s={timeout_s:g} s")
+            time.sleep(0.05)
+
+    def share_address(self, endpoint: str) -> list[str] | None:
+        """Publish the trajectory address this rank bound; rank 0 gets every rank's, in rank order."""
+        self.store.set(f"address/{self.rank}", endpoint)
+        if self.rank:
+            return None
+        keys = [f"address/{r}" for r in range(self.world)]
+        self._wait_for(keys, self.cfg.rank_start_timeout_s, "their trajectory sockets")
+        return [self.store.get(k).decode() for k in keys]
+
+    def share_local_actor_key(self, keys):
+        """Under CURVE, train's local actors get a key pair of rank 0's making: every rank admits its public key."""
+        if self.rank == 0:
+            self.store.set("local_actor_key", next(k for k, name in keys.allowed.items() if name == "local"))
+            return keys
+        public = self.store.get("local_actor_key")
+        return dataclasses.replace(keys, allowed={**keys.allowed, public: "local"})
+
+    # ------------------------------------------------------------------------------------------- the watch
+    def watch(self, server) -> None:
+        """Start the thread that beats, reads the others' beats and the stop key, and watches rank 0's children."""
+        self.watcher = RankWatch(self, server)
+        self.watcher.start()
+
+    def announce(self, reason: str, code: int) -> None:
+        """This rank stops (server.request_stop): tell the others."""
+        if self.watcher is not None:
+            self.watcher.announce(reason, code)
+
+    def explain(self, error: BaseException) -> tuple[str, int]:
+        return self.watcher.explain(error)
+
+    # -------------------------------------------------------------------------------------------- shutdown
+    def stop_training(self, server) -> bool:
+        """Stop the training thread. A normal stop ends every rank after the same update: rank 0 flags its next update
+        (the flag travels in that update's all-reduce, learn.py) and every rank stops after it; any other stop (exit
+        code not 0: a failure, no data) stops at once. True if the thread ended."""
+        trainer, timeout_s = server.trainer, server.cfg.shutdown_timeout_s / 2
+        if server.exit_code == 0 and trainer.alive() and not server.cfg.ingest_only:
+            if self.rank == 0:
+                server.learner.stop_requested = True
+            if trainer.join(timeout_s):
+                return True
+            log.warning("rank %d: no update in step with the other ranks within %.1f s; stopping now", self.rank,
+                        timeout_s)
+        return trainer.stop(timeout_s / 2)
+
+    def finish(self, server) -> None:
+        """After this rank's shutdown: the state dump (rank_state_dump), then rank 0 waits for the ranks it started
+        (they stop on their own; shutdown_timeout_s / 2 at most, then they are killed)."""
+        if self.watcher is not None:
+            self.watcher.halt()
+        whole = not server.trainer.alive() and not server.learner.applying
+        if self.cfg.rank_state_dump and whole:
+            self._dump(server)
+        deadline = time.monotonic() + server.cfg.shutdown_timeout_s / 2
+        for r, child in enumerate(self.children, start=1):
+            try:
+                child.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("learner rank %d (pid %d) did not stop; killing it", r, child.pid)
+                child.kill()
+                child.wait()
+        if whole:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        self.stuck = not whole
+
+    def kill_children(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+
+    def _dump(self, server) -> None:
+        import torch
+        path = Path(server.logdir) / f"rank-{self.rank}-state.pt"
+        lr = server.learner
+        state = {"model": lr.model.state_dict(), "optimizer": lr.optimizer.state_dict(), "updates": lr.updates,
+                 "batches": server.trainer.batches, "policy_version": server.trainer.policy_version}
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        log.info("rank %d: state after %d updates written to %s", self.rank, lr.updates, path)
+
+    def exit(self, code: int) -> int:
+        """The process's exit code; a training thread stuck in a collective cannot be joined: leave without it."""
+        if self.stuck:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
