@@ -17,11 +17,15 @@ import io
 import logging
 import os
 import re
+import time
 import zipfile
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+from .rankwatch import totals
 
 log = logging.getLogger("impala_async.learner.checkpoint")
 _NAME = re.compile(r"^checkpoint-(\d{12})\.pt$")
@@ -219,3 +223,61 @@ def _tensors(tree, prefix: str = ""):
     elif isinstance(tree, list | tuple):
         for i, v in enumerate(tree):
             yield from _tensors(v, f"{prefix}[{i}]")
+
+
+class Checkpointing:
+    """The learner server's checkpoints: what goes in one, saving it (never with non-finite weights), failures
+    reported and retried, restoring a resumed run's counters. A mixin of
+    :class:`~impala_async.learner.server.LearnerServer` (its attributes are the server's)."""
+
+    def checkpoint_state(self) -> dict:
+        ing, summed = self.ingest, totals(self)[0]  # env steps and episodes of every rank
+        return {
+            "learner": self.learner.state_dict(),
+            "policy_version": self.trainer.policy_version,
+            "env_steps": summed["env_steps"],
+            "episodes": summed["episodes"],
+            "returns": list(ing.returns),
+            "lengths": list(ing.lengths),
+            "wall_s": self.wall_offset_s + time.monotonic() - self.t0,
+            "config": asdict(self.cfg),
+            "spec": self.spec.to_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def save_checkpoint(self) -> Path:
+        """Write a checkpoint; raises if the weights are not finite (such a checkpoint is never written) or the write
+        fails."""
+        with self.learner.apply_lock:  # never while an update is applied (a training thread stuck in a collective)
+            if not self.learner.parameters_finite():
+                raise ValueError("the weights are not finite")
+            return self.checkpoints.save(self.checkpoint_state(), self.learner.env_steps_trained)
+
+    def _try_checkpoint(self) -> Path | None:
+        """save_checkpoint, with a failure (disk full, no file descriptor) reported and counted, not raised."""
+        try:
+            return self.save_checkpoint()
+        except Exception as e:
+            self.checkpoint_failures += 1
+            log.error("checkpoint failed (%d so far; retrying in %g s, training goes on): %s: %s",
+                      self.checkpoint_failures, self.cfg.checkpoint_retry_interval_s, type(e).__name__, e)
+            return None
+
+    def _final_checkpoint(self, attempts: int = 3) -> Path | None:
+        for i in range(attempts):
+            path = self._try_checkpoint()
+            if path is not None:
+                return path
+            if i + 1 < attempts:
+                time.sleep(min(1.0, self.cfg.shutdown_timeout_s / 10))
+        return None
+
+    def _restore(self, state: dict) -> None:
+        ing = self.ingest
+        self.trainer.policy_version = int(state["policy_version"])
+        ing.env_steps = int(state["env_steps"])
+        ing.episodes = int(state["episodes"])
+        ing.returns.extend(state["returns"])
+        ing.lengths.extend(state["lengths"])
+        self.wall_offset_s = float(state["wall_s"])
+        torch.set_rng_state(state["torch_rng"])

@@ -16,11 +16,9 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-import torch
 import zmq
 
 from ..actors.procs import ActorProcesses
@@ -29,11 +27,12 @@ from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
 from ..ops.config import LearnerConfig
 from . import checkpoint, curriculum, prom
-from .guard import ConnectionGuard, guard_source, release_memory
+from .guard import ConnectionGuard, fit_descriptor_limit, guard_source
 from .ingest import Histogram, Ingest
 from .learn import Learner
 from .metrics import MetricsWriter, Progress, Reporter
 from .pacing import Pacer
+from .periodic import PeriodicTasks, _wait
 from .publisher import WeightsPublisher
 from .ranks import RankGroup
 from .rankwatch import totals
@@ -44,13 +43,11 @@ log = logging.getLogger("impala_async.learner.server")
 
 MAX_DRAIN_MESSAGES = 256  # messages handled per wake-up before yielding to other tasks ...
 MAX_DRAIN_S = 0.005  # ... or this much time
-LOOP_LAG_PROBE_S = 0.01
-FD_RESERVE = 256  # file descriptors kept free of connections: logs, checkpoints, actor pipes, libraries
 # Exit codes (argparse uses 2 for usage errors; 6, a learner rank failed: EXIT_RANK_FAILED, rankwatch.py).
-EXIT_ERROR, EXIT_ACTORS_FAILED, EXIT_NO_DATA, EXIT_NO_CHECKPOINT = 1, 3, 4, 5
+EXIT_ERROR, EXIT_NO_CHECKPOINT = 1, 5  # 3 and 4: periodic.py
 
 
-class LearnerServer:
+class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
     def __init__(self, cfg: LearnerConfig, learner: Learner, spec: TrajectorySpec, run_info: dict, logdir: Path,
                  *, start_monotonic: float, actors: ActorProcesses | None = None, resumed: dict | None = None,
                  keys=None, ranks: RankGroup | None = None):
@@ -129,7 +126,7 @@ class LearnerServer:
         cfg = self.cfg
         # Plain (synchronous) sockets: the event loop watches the PULL socket's file descriptor itself (see
         # _receive_loop) and only ever sends non-blocking on PUB; no pyzmq asyncio machinery shares those FDs.
-        self._fit_descriptor_limit()
+        self.fd_limit = fit_descriptor_limit(self.cfg, self.actors.count if self.actors is not None else 0)
         self.ctx = zmq.Context(1)
         secure = self._start_authentication()
         self.pull = self.ctx.socket(zmq.PULL)
@@ -196,28 +193,6 @@ class LearnerServer:
         log.info("CURVE on: %d allowed actor key(s)", len(self.keys.allowed))
         return lambda sock: auth.make_curve_server(sock, self.keys)
 
-    def _fit_descriptor_limit(self) -> None:
-        """Raise the soft file-descriptor limit to the hard one, and keep both sockets' connections within it with
-        FD_RESERVE to spare: peers that open connections by the thousand must not leave the learner unable to open
-        a file (its checkpoint writer also keeps its descriptors open in advance)."""
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-        if soft != resource.RLIM_INFINITY and soft < want:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-                soft = want
-            except (ValueError, OSError) as e:
-                log.warning("could not raise the file-descriptor limit from %d to %d: %s", soft, want, e)
-        reserve = FD_RESERVE + (self.actors.count if self.actors is not None else 0)
-        fit = max(1, (soft - reserve) // 2) if soft != resource.RLIM_INFINITY else self.cfg.max_connections
-        if self.cfg.max_connections > fit:
-            log.warning("max_connections lowered from %d to %d per socket to fit the file-descriptor limit of %d "
-                        "(raise it with ulimit -n)", self.cfg.max_connections, fit, soft)
-            self.cfg.max_connections = fit
-        self.fd_limit = soft
-
     async def _main(self) -> None:
         loops = (self._receive_loop(), self._republish_loop(), self._watch_loop(), self._loop_lag_loop(),
                  self._guard_loop(), *([self._report_loop()] if self.lead else []))
@@ -250,18 +225,6 @@ class LearnerServer:
             self.request_stop(name, 0)
         else:
             self._force_exit(f"second {name}")
-
-    def _dump_state(self) -> None:
-        """SIGUSR1: write every thread's stack and every asyncio task's state to stderr (for a stuck learner)."""
-        import faulthandler
-        import sys
-        faulthandler.dump_traceback(all_threads=True)
-        for task in asyncio.all_tasks(self._loop):
-            task.print_stack(file=sys.stderr)
-        print(f"trainer alive={self.trainer.alive()} error={self.trainer.error!r} batches={self.trainer.batches} "
-              f"ring ready={self.ring.ready_batches()} writable={self.ring.writable()} "
-              f"pending={self.ingest.pending is not None} connections={len(self.pull_guard.conns)}+"
-              f"{len(self.publisher.guard.conns)}", file=sys.stderr, flush=True)
 
     def _force_exit(self, why: str) -> None:
         log.error("forced exit: %s", why)
@@ -428,149 +391,3 @@ class LearnerServer:
         pace = self.pacer.pace(self.ring.waiting_trajectories())
         return wire.encode_weights(self.trainer.policy_version, state, self.run_info, self.incarnation,
                                    difficulty=self.difficulty, pace_s_per_trajectory=pace)
-
-    async def _republish_loop(self) -> None:
-        """Apply subscriptions and send the latest weights again when actors have subscribed (they would otherwise
-        wait for the next update) and every republish_interval_s, at the rates publisher.py allows."""
-        pub = self.publisher
-        woken = asyncio.Event()
-        fd = pub.sock.getsockopt(zmq.FD)
-        self._loop.add_reader(fd, woken.set)
-        try:
-            while not self._stop.is_set():
-                pub.read_subscriptions()
-                wait_s = pub.resend_due(time.monotonic())
-                woken.clear()
-                if not pub.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    await _wait(woken, wait_s)
-        finally:
-            self._loop.remove_reader(fd)
-
-    async def _guard_loop(self) -> None:
-        """Connections over the limits are closed (guard.py): peers cannot make the learner hold unbounded memory.
-        After a cut, the memory it freed goes back to the system (at most once a second)."""
-        cuts, trim_at, trimmed_at = 0, None, 0.0
-        while True:
-            self.pull_guard.check()
-            self.publisher.guard.check()
-            now = time.monotonic()
-            total = sum(self.pull_guard.cut.values()) + sum(self.publisher.guard.cut.values())
-            if total != cuts:
-                cuts = total
-                trim_at = max(now + 0.2, trimmed_at + 1.0)  # libzmq closes the connection and frees it meanwhile
-            if trim_at is not None and now >= trim_at:
-                release_memory()
-                trim_at, trimmed_at = None, time.monotonic()
-            await asyncio.sleep(self.cfg.connection_check_interval_s)
-
-    # -------------------------------------------------------------------------------------------- supervision
-    async def _watch_loop(self) -> None:
-        cfg = self.cfg
-        while True:
-            await asyncio.sleep(0.25)
-            if self.actors is not None:
-                self.actors.check()
-                if self.actors.all_given_up():
-                    self.request_stop(f"every local actor failed {cfg.max_actor_restarts + 1} times; "
-                                      f"see the actor errors above", EXIT_ACTORS_FAILED)
-            now = time.monotonic()
-            last = self.ingest.last_data_at
-            if last is None and now - self.t0 > cfg.actor_start_timeout_s:
-                self.request_stop(f"no trajectory arrived within actor_start_timeout_s={cfg.actor_start_timeout_s:g} s "
-                                  f"of start: are actors running and pointed at {self.listen_endpoint}?", EXIT_NO_DATA)
-            elif last is not None and now - last > cfg.no_data_timeout_s:
-                self.request_stop(f"no trajectory arrived for no_data_timeout_s={cfg.no_data_timeout_s:g} s: "
-                                  f"every actor is gone or stuck", EXIT_NO_DATA)
-
-    async def _loop_lag_loop(self) -> None:
-        """Event-loop responsiveness: how late a short sleep wakes up."""
-        while True:
-            t0 = time.monotonic()
-            await asyncio.sleep(LOOP_LAG_PROBE_S)
-            self.loop_lag_s.add(max(0.0, time.monotonic() - t0 - LOOP_LAG_PROBE_S))
-
-    # ---------------------------------------------------------------------------------------------- reporting
-    async def _report_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.report_interval_s)
-            self._report()
-
-    def _report(self) -> None:
-        with self._stats_lock:
-            stats, self._stats = self._stats, []
-            lags, self._lags = self._lags, []
-        rec = self.reporter.record(stats, lags)
-        self.metrics.write(rec)
-        self.last_record = rec
-        if self.tboard is not None:
-            self.tboard.write(rec)  # queued for its own thread
-        for text in self.watch.feed(rec):  # policy-collapse warnings, rate-limited (watch.py)
-            log.warning(text)
-        self.progress.show(rec)
-
-    # -------------------------------------------------------------------------------------------- checkpoints
-    def checkpoint_state(self) -> dict:
-        ing, summed = self.ingest, totals(self)[0]  # env steps and episodes of every rank
-        return {
-            "learner": self.learner.state_dict(),
-            "policy_version": self.trainer.policy_version,
-            "env_steps": summed["env_steps"],
-            "episodes": summed["episodes"],
-            "returns": list(ing.returns),
-            "lengths": list(ing.lengths),
-            "wall_s": self.wall_offset_s + time.monotonic() - self.t0,
-            "config": asdict(self.cfg),
-            "spec": self.spec.to_dict(),
-            "torch_rng": torch.get_rng_state(),
-        }
-
-    def save_checkpoint(self) -> Path:
-        """Write a checkpoint; raises if the weights are not finite (such a checkpoint is never written) or the write
-        fails."""
-        with self.learner.apply_lock:  # never while an update is applied (a training thread stuck in a collective)
-            if not self.learner.parameters_finite():
-                raise ValueError("the weights are not finite")
-            return self.checkpoints.save(self.checkpoint_state(), self.learner.env_steps_trained)
-
-    def _try_checkpoint(self) -> Path | None:
-        """save_checkpoint, with a failure (disk full, no file descriptor) reported and counted, not raised."""
-        try:
-            return self.save_checkpoint()
-        except Exception as e:
-            self.checkpoint_failures += 1
-            log.error("checkpoint failed (%d so far; retrying in %g s, training goes on): %s: %s",
-                      self.checkpoint_failures, self.cfg.checkpoint_retry_interval_s, type(e).__name__, e)
-            return None
-
-    def _final_checkpoint(self, attempts: int = 3) -> Path | None:
-        for i in range(attempts):
-            path = self._try_checkpoint()
-            if path is not None:
-                return path
-            if i + 1 < attempts:
-                time.sleep(min(1.0, self.cfg.shutdown_timeout_s / 10))
-        return None
-
-    def _restore(self, state: dict) -> None:
-        ing = self.ingest
-        self.trainer.policy_version = int(state["policy_version"])
-        ing.env_steps = int(state["env_steps"])
-        ing.episodes = int(state["episodes"])
-        ing.returns.extend(state["returns"])
-        ing.lengths.extend(state["lengths"])
-        self.wall_offset_s = float(state["wall_s"])
-        torch.set_rng_state(state["torch_rng"])
-
-
-async def _wait(event: asyncio.Event, timeout_s: float) -> None:
-    """Wait until ``event`` is set or ``timeout_s`` passes (then it is set too; callers clear it before waiting).
-
-    Not asyncio.wait_for: on Python 3.11 it can swallow a cancellation that races with the event (the receive task
-    then never ended and shutdown hung; seen in tests/test_cli.py)."""
-    timer = asyncio.get_running_loop().call_later(timeout_s, event.set)
-    try:
-        await event.wait()
-    finally:
-        timer.cancel()
-
-
