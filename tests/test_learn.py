@@ -115,3 +115,22 @@ def test_extreme_inputs_are_clipped_and_a_non_finite_update_is_skipped():
     assert not learner.optimizer.state, "the optimizer took a step on a skipped update"
     stats = learner.step(_batch(spec))  # and the next, finite batch trains
     assert not stats["skipped"] and learner.updates == 1 and learner.parameters_finite()
+
+
+def test_entropy_cost_anneals_linearly_when_asked():
+    spec = _spec("CartPole-v1")
+    constant = _learner(spec, entropy_cost=0.03, total_env_steps=1000)
+    annealed = _learner(spec, entropy_cost=0.03, final_entropy_cost=0.003, total_env_steps=1000)
+    for trained, want in ((0, 0.03), (500, 0.0165), (1000, 0.003), (5000, 0.003)):
+        constant.env_steps_trained = annealed.env_steps_trained = trained
+        assert constant.entropy_cost() == 0.03
+        assert annealed.entropy_cost() == pytest.approx(want)
+    annealed.env_steps_trained = 500
+    stats = annealed.step(_batch(spec))
+    assert stats["entropy_cost"] == pytest.approx(0.0165), "the loss uses the annealed weight"
+    # The weight is in the loss: the same batch with another weight moves the parameters differently.
+    a, b = (_learner(spec, seed=0, entropy_cost=c) for c in (0.0, 1.0))
+    b.model.load_state_dict(a.model.state_dict())
+    batch = _batch(spec)
+    a.step(batch), b.step(batch)
+    assert any(not torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))

@@ -126,6 +126,14 @@ class Learner:
             return self.cfg.learning_rate
         return self.cfg.learning_rate * max(0.0, 1.0 - self.env_steps_trained / self.cfg.total_env_steps)
 
+    def entropy_cost(self) -> float:
+        """``entropy_cost``, or with ``final_entropy_cost`` >= 0 linearly from it to that at ``total_env_steps``."""
+        cfg = self.cfg
+        if cfg.final_entropy_cost < 0:
+            return cfg.entropy_cost
+        progress = min(1.0, self.env_steps_trained / cfg.total_env_steps)
+        return cfg.entropy_cost + (cfg.final_entropy_cost - cfg.entropy_cost) * progress
+
     def step(self, batch: dict[str, torch.Tensor]) -> dict:
         """One update from a batch of ``B`` trajectories, batch-major as in the ring: ``obs [B, T+1, ...]`` (or
         ``frames [B, T+S, H, W]`` with a frame-stacking spec),
@@ -184,7 +192,8 @@ class Learner:
         baseline_loss = 0.5 * (vt.vs - values[:T]).pow(2).mean()
         log_probs = F.log_softmax(logits[:T], dim=-1)
         entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
-        loss = pg_loss + cfg.baseline_cost * baseline_loss - cfg.entropy_cost * entropy
+        entropy_cost = self.entropy_cost()
+        loss = pg_loss + cfg.baseline_cost * baseline_loss - entropy_cost * entropy
 
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:
@@ -229,6 +238,7 @@ class Learner:
                  "inputs_clipped")
         stats = dict(zip(names, scalars, strict=True))
         stats["lr"] = lr
+        stats["entropy_cost"] = entropy_cost
         stats["rho_hist"] = hist.tolist()
         stats["skipped"] = skipped
         self.inputs_clipped += int(stats["inputs_clipped"])

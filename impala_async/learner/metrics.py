@@ -116,7 +116,7 @@ class Reporter:
             rec[f"rejected_{reason}"] = ing.rejected[reason]
         stats = [st for st in stats if not st["skipped"]]  # a skipped update's losses are not finite
         for name in ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "rho_far_frac",
-                     "lr"):
+                     "lr", "entropy_cost"):
             rec[name] = float(np.mean([st[name] for st in stats])) if stats else None
         rec["rho_hist"] = np.sum([st["rho_hist"] for st in stats], axis=0).tolist() if stats else None
         rec["rho_hist_edges"] = list(RHO_BIN_EDGES)

@@ -37,6 +37,7 @@ INTERVAL_GAUGES = {
     "rho_clipped_frac": ("rho_clipped_ratio", "share of importance weights above rho-bar, last interval"),
     "rho_far_frac": ("rho_far_ratio", "share of importance weights outside [1/2, 2], last interval"),
     "lr": ("learning_rate", "mean learning rate of the last interval's updates"),
+    "entropy_cost": ("entropy_cost", "mean weight of the entropy bonus in the last interval's updates"),
     "latency_p50_ms": ("latency_p50_seconds", "median actor-send to ring-slot latency over the last interval"),
     "latency_p99_ms": ("latency_p99_seconds", "99th percentile actor-send to ring-slot latency, last interval"),
     "loop_lag_p99_ms": ("loop_lag_p99_seconds", "99th percentile lateness of the event loop's 10 ms probe sleep, "

@@ -120,6 +120,8 @@ class LearnerConfig:
     max_grad_norm: float = opt(40.0, "clip the global gradient norm to this (0: no clipping)")
     discount: float = opt(0.99, "gamma")
     entropy_cost: float = opt(0.001, "weight of the entropy bonus")
+    final_entropy_cost: float = opt(-1.0, "anneal the entropy bonus linearly from entropy_cost to this at "
+                                          "total_env_steps (-1: no annealing, entropy_cost throughout)")
     baseline_cost: float = opt(0.5, "weight of the baseline (value) loss")
     reward_clip: float = opt(0.0, "clip rewards to [-x, x] before learning (0: no clipping)")
     reward_scale: float = opt(0.1, "multiply rewards by this before learning, after clipping (keeps values near "
@@ -296,6 +298,9 @@ class LearnerConfig:
                      "clip_pg_rho_threshold", "clip_c_threshold"):
             v = getattr(self, name)
             need(math.isfinite(v) and v >= 0, f"{name} must be a finite number >= 0, got {v}")
+        need(self.final_entropy_cost == -1.0 or (math.isfinite(self.final_entropy_cost) and
+                                                 self.final_entropy_cost >= 0),
+             "final_entropy_cost must be a finite number >= 0, or -1 for no annealing")
         need(0.0 <= self.vtrace_lambda <= 1.0, "vtrace_lambda must lie in [0, 1]: above 1 the traces explode")
         need(self.baseline_cost > 0, "baseline_cost must be > 0: without a trained baseline V-trace targets are noise")
         need(self.ring_batches >= 3, "ring_batches must be >= 3 (one filling, one training, one waiting); with fewer "
