@@ -3,9 +3,10 @@
 
 Each backend runs in a fresh process pinned to one CPU (``os.sched_setaffinity``; torch and OpenCV on one thread, as
 an actor runs): K environments, and the actor's own inner loop (``impala_async.actors.rollout.unroll``: the policy's
-forward pass on a batch of K, here the Nature CNN with the learner's initial weights, Gumbel-max sampling, the
-environments' step and reset, the truncation bootstrap), then per unroll what the actor does before sending: frames
-packed into single frames and the LZ4 wire encoding (``--no-encode`` leaves that out). Nothing is sent.
+forward pass on a batch of K, here the Nature CNN (``--model deep``: the IMPALA ResNet) with initial weights,
+Gumbel-max sampling, the environments' step and reset, the truncation bootstrap), then per unroll what the actor
+does before sending: frames packed into single frames and the LZ4 wire encoding
+(``--no-encode`` leaves that out). Nothing is sent.
 
 Units. An *agent step* is one action in one environment. *Env frames* are agent steps x 4 (the frame skip), the
 unit of the IMPALA paper, torchbeast and this project's ``env_steps``-based figures x 4; the emulator runs a little
@@ -65,7 +66,8 @@ def child(a: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t0
     spec = TrajectorySpec.from_spaces(vec.single_observation_space, vec.single_action_space, T,
                                       frame_stack=vec.frame_stack)
-    cfg = ModelConfig("auto", input_scale=1 / 255).resolved(spec)
+    cfg = (ModelConfig.deep(input_scale=1 / 255) if a.model == "deep" else
+           ModelConfig("auto", input_scale=1 / 255).resolved(spec))
     torch.manual_seed(0)
     net = build_model(spec, cfg)
     run_info = {"env_id": a.env, "spec": spec.to_dict(), "model": cfg.to_dict()}
@@ -94,7 +96,7 @@ def child(a: argparse.Namespace) -> dict:
     episodes = vec.pop_episodes()
     vec.close()
     steps = unrolls * T * K
-    return {"backend": vec.backend, "env": a.env, "envs": K, "cpu": a.cpu, "device": a.device,
+    return {"backend": vec.backend, "env": a.env, "model": cfg.kind, "envs": K, "cpu": a.cpu, "device": a.device,
             "agent_steps": steps, "seconds": round(elapsed, 3), "agent_steps_per_s": round(steps / elapsed, 1),
             "env_frames_per_s": round(FRAME_SKIP * steps / elapsed, 1),
             "policy_share": round(policy.seconds / elapsed, 3), "env_share": round(envs.seconds / elapsed, 3),
@@ -110,6 +112,8 @@ def main() -> int:
     p.add_argument("--unroll-length", type=int, default=20)
     p.add_argument("--warmup-unrolls", type=int, default=2)
     p.add_argument("--backends", default="gymnasium,envpool")
+    p.add_argument("--model", choices=("auto", "deep"), default="auto",
+                   help="policy network: auto (as train picks it: the Nature CNN for Atari) or deep (IMPALA ResNet)")
     p.add_argument("--device", default="cpu", help="where the policy runs: cpu or cuda[:N]")
     p.add_argument("--cpu", type=int, default=-1, help="the CPU to pin to (default: the last one allowed)")
     p.add_argument("--no-encode", action="store_true", help="leave out frame packing and the wire encoding")
