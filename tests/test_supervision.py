@@ -55,6 +55,24 @@ def test_killed_and_stopped_actors_are_replaced(tmp_path):
         stop(proc)
 
 
+def test_an_actor_slow_to_build_its_environments_is_not_taken_for_hung(tmp_path):
+    """8 environments that take 0.6 s each to build (as 32 ALE games take ~10 s): 4.8 s without a beat, longer than
+    --heartbeat-timeout-s 2. The actor announces the step (procs.GRACE), so it is neither killed nor restarted; before
+    that announcement existed it was killed at every start and no trajectory ever arrived."""
+    logdir, log = tmp_path / "run", tmp_path / "log"
+    slow = ["--env", "impala_async.actors.envs:DifficultyProbe-v0", "--env-kwargs", '{"build_delay_s": 0.6}']
+    proc = cli("train", *slow, "--num-actors", "1", "--envs-per-actor", "8", "--unroll-length", "10",
+               "--batch-size", "4", "--report-interval-s", "0.5", "--total-env-steps", "4000",
+               "--heartbeat-interval-s", "0.5", "--heartbeat-timeout-s", "2", "--logdir", str(logdir), log=log)
+    try:
+        assert proc.wait(120) == 0, tail(log)
+    finally:
+        stop(proc)
+    assert last(logdir)["env_steps"] >= 4000
+    assert last(logdir).get("actor_restarts", 0) == 0, tail(log)
+    assert "silent" not in log.read_text()
+
+
 def test_all_actors_gone_exits_nonzero(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
     proc = cli("train", *SMALL, "--num-actors", "1", "--total-env-steps", "100000000", "--logdir", str(logdir),

@@ -17,6 +17,8 @@ it passes the agent; a game ends at ``points_to_win`` points for either side.
 
 from __future__ import annotations
 
+import time
+
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
@@ -195,7 +197,8 @@ class DifficultyProbe(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self):
+    def __init__(self, build_delay_s: float = 0.0):
+        time.sleep(build_delay_s)  # a slow-to-build environment (32 ALE games take ~10 s), for the supervisor's tests
         self.observation_space = spaces.Box(-np.inf, np.inf, (1,), np.float32)
         self.action_space = spaces.Discrete(2)
         self._next = self.difficulty = 0.0

@@ -4,6 +4,8 @@ Each actor is a fresh interpreter (``python -m impala_async actor ...``), never 
 memory, no CUDA context and no locks with it, and it is the same program an actor machine runs. Each one gets the
 write end of a pipe and writes a byte to it every ``heartbeat_interval_s`` from its main loop; an actor that stays
 silent for ``heartbeat_timeout_s`` (hung, or stopped with SIGSTOP) is killed and restarted like one that crashed.
+Before a long step that cannot beat (building its environments: 32 ALE games take about 10 s here) it writes
+:data:`GRACE` instead, which gives it :data:`STARTUP_GRACE_S` for its next beat, as at its start.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger("impala_async.actors.procs")
 
-STARTUP_GRACE_S = 30.0  # the first heartbeat may take this long (interpreter start, torch import)
+STARTUP_GRACE_S = 30.0  # the first beat (interpreter start, torch import) and the next after GRACE may take this long
+BEAT, GRACE = b".", b"g"  # what an actor writes to its pipe: "alive", and "alive, about to be busy for a while"
 
 
 @dataclass
@@ -74,7 +77,7 @@ class ActorProcesses:
             return
         if data:
             c.beats += len(data)
-            c.last_beat = now
+            c.last_beat = now + STARTUP_GRACE_S if data.endswith(GRACE) else now
 
     @property
     def count(self) -> int:
