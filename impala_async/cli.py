@@ -364,9 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
         "attempts give up after half of it (0: TCP's own timeouts, minutes after a long outage) (default: 6)"))
     act.add_argument("--codec", choices=("lz4", "none"), default="lz4", help=(
         "array compression (default: lz4); images go as JPEG instead when the learner asks for it (--obs-codec jpeg)"))
-    act.add_argument("--env-backend", choices=("", *ENV_BACKENDS), default="", metavar="{gymnasium,envpool}", help=(
-        "how to step Atari ids: gymnasium, or envpool (pip install 'impala-async[envpool]'); other ids always use "
-        "gymnasium (default: the learner's run.env_backend, else gymnasium)"))
+    act.add_argument("--env-backend", choices=("", *ENV_BACKENDS), default="", metavar="{auto,gymnasium,envpool}",
+                     help=("how to step Atari ids: gymnasium, envpool (pip install 'impala-async[envpool]') or auto "
+                           "(envpool where installed); other ids always use gymnasium (default: the learner's "
+                           "run.env_backend, else gymnasium)"))
     act.add_argument("--device", default="cpu", help="where the policy's forward pass runs: cpu or cuda[:N] "
                                                      "(default: cpu)")
     act.add_argument("--curve-keys", default="", help="directory with actor.key_secret and learner.key: connect with "

@@ -19,6 +19,7 @@ EnvPool default (FIRE at reset, no sticky actions) or away from ours (bilinear r
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -55,11 +56,28 @@ def test_only_atari_ids_go_to_envpool():
     for env_id in ("MinAtar/Breakout-v1", "CartPole-v1", "impala_async.actors.envs:PongLike-v0"):
         assert resolve_backend(env_id, "envpool") == "gymnasium"
     assert resolve_backend("ALE/Pong-v5", "gymnasium") == "gymnasium"
-    with pytest.raises(ValueError, match="gymnasium, envpool"):
+    with pytest.raises(ValueError, match="auto, gymnasium, envpool"):
         resolve_backend("ALE/Pong-v5", "jax")
     vec = make_vec("CartPole-v1", {}, 2, "envpool")  # no EnvPool needed: CartPole stays on gymnasium
     assert vec.backend == "gymnasium"
     vec.close()
+
+
+def test_auto_is_envpool_for_atari_where_installed(monkeypatch):
+    """The default backend, auto: EnvPool for Atari ids when its package is importable, gymnasium otherwise (and for
+    every other id), so that a core install gives no warning and the envpool extra is used once installed."""
+    import importlib.util
+
+    from impala_async.ops.config import DEFAULT_ENV_BACKEND, LearnerConfig
+
+    assert DEFAULT_ENV_BACKEND == "auto" and LearnerConfig().env_backend == "auto"
+    installed = importlib.util.find_spec("envpool") is not None
+    assert resolve_backend("ALE/Pong-v5", "auto") == ("envpool" if installed else "gymnasium")
+    assert resolve_backend("MinAtar/Breakout-v1", "auto") == "gymnasium"
+    assert resolve_backend("CartPole-v1", "auto") == "gymnasium"
+    monkeypatch.setitem(sys.modules, "envpool", None)  # what find_spec reports for a package that is absent
+    assert resolve_backend("ALE/Pong-v5", "auto") == "gymnasium"
+    assert resolve_backend("ALE/Pong-v5", "envpool") == "envpool"  # asked by name: make_vec says what to install
 
 
 def block_envpool(monkeypatch) -> None:

@@ -21,8 +21,9 @@ import zmq
 
 from ..core import codecs, frames, wire
 from .endpoints import Endpoints
+from .procs import BEAT, GRACE
 from .rollout import Policy, unroll
-from .vec import BACKENDS, VecEnv, make_vec
+from .vec import AUTO, BACKENDS, VecEnv, make_vec
 
 log = logging.getLogger("impala_async.actors.actor")
 
@@ -86,10 +87,20 @@ class Heartbeat:
         now = time.monotonic()
         if now >= self.next_at:
             self.next_at = now + self.interval_s
-            try:
-                os.write(self.fd, b".")
-            except (BlockingIOError, BrokenPipeError):
-                pass  # a full pipe means the supervisor is behind; a broken one, that it is gone
+            self._write(BEAT)
+
+    def grace(self) -> None:
+        """Tell the supervisor that a long step without beats comes next (building the environments): it then waits
+        up to procs.STARTUP_GRACE_S for the next beat instead of heartbeat_timeout_s."""
+        if self.fd >= 0:
+            self.next_at = 0.0  # the step's end beats at once
+            self._write(GRACE)
+
+    def _write(self, byte: bytes) -> None:
+        try:
+            os.write(self.fd, byte)
+        except (BlockingIOError, BrokenPipeError):
+            pass  # a full pipe means the supervisor is behind; a broken one, that it is gone
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -201,11 +212,13 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
         return 2
     seeds = np.random.SeedSequence([cfg.seed, cfg.index]).generate_state(K + 1)
     rng = np.random.default_rng(seeds[K])
+    beat.grace()  # building K environments can take longer than heartbeat_timeout_s (32 ALE games: about 10 s)
     envs = _make_envs(cfg, run_info, K, spec.obs_dtype, seeds[:K])
     if envs is None:
         return 2
     envs.set_difficulty(first.difficulty)  # the curriculum's value (None: none); each env takes it at its reset
     envs.reset(seeds[:K])
+    beat()
     buf = {f.name: np.zeros((K, *f.shape), f.dtype) for f in spec.fields}
     # Observations [K, T+1, *obs_shape]; with frame_stack they are packed into buf["frames"] before sending.
     obs_buf = np.zeros((K, T + 1, *spec.obs_shape), spec.obs_dtype) if spec.frame_stack else buf["obs"]
@@ -262,7 +275,7 @@ def _make_envs(cfg: ActorConfig, run_info: dict, K: int, obs_dtype: str, seeds) 
     backend, asked = cfg.env_backend, "--env-backend"
     if not backend:
         backend, asked = str(run_info.get("env_backend") or "gymnasium"), "the learner's run.env_backend"
-        if backend not in BACKENDS:
+        if backend not in (AUTO, *BACKENDS):
             log.warning("actor %d: unknown env backend %r from the learner: using gymnasium", cfg.index, backend)
             backend = "gymnasium"
     env_id, env_kwargs = run_info["env_id"], run_info.get("env_kwargs", {})

@@ -1,6 +1,7 @@
 """An actor's K environments as one batch: ``reset`` once, then ``step(actions [K])`` with episode bookkeeping.
 
-Two backends (``--env-backend``, the learner's ``run.env_backend``):
+Two backends (``--env-backend``, the learner's ``run.env_backend``; ``auto``, the default, is envpool for Atari ids
+where EnvPool is installed, as it steps Pong about 10% faster per actor core here, and gymnasium otherwise):
 
 - ``gymnasium``: K environments from :func:`.envs.make_env`, stepped one after another in this process; every id.
 - ``envpool``: Atari ids only (``ALE/<Game>-v5``, ``<Game>NoFrameskip-v4``), as one EnvPool C++ batch
@@ -26,6 +27,7 @@ import numpy as np
 from .envs import ATARI_FRAME_SKIP, ATARI_NOOP_MAX, ATARI_STACK, frame_stack_of, is_atari, make_env, set_difficulty
 
 BACKENDS = ("gymnasium", "envpool")
+AUTO = "auto"  # envpool for Atari ids if installed, else gymnasium (resolve_backend)
 ENVPOOL_MISSING = "--env-backend envpool needs EnvPool: pip install 'impala-async[envpool]'"
 INT_MAX = (1 << 31) - 1
 ATARI_FRAME_CAP = 108_000  # the ALE's max_num_frames_per_episode for both kinds of Atari id (docs/protocol.md)
@@ -237,10 +239,18 @@ class EnvPoolEnvs(VecEnv):
         self.pool.close()
 
 
+def envpool_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("envpool") is not None
+
+
 def resolve_backend(env_id: str, backend: str) -> str:
-    """The backend ``env_id`` runs on when ``backend`` is asked for: envpool for Atari ids only."""
+    """The backend ``env_id`` runs on when ``backend`` is asked for: envpool for Atari ids only, and for ``auto``
+    only where EnvPool is installed."""
+    if backend == AUTO:
+        backend = "envpool" if is_atari(env_id) and envpool_installed() else "gymnasium"
     if backend not in BACKENDS:
-        raise ValueError(f"env backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        raise ValueError(f"env backend must be one of {AUTO}, {', '.join(BACKENDS)}, got {backend!r}")
     return "envpool" if backend == "envpool" and is_atari(env_id) else "gymnasium"
 
 

@@ -69,8 +69,8 @@ PER_INVOCATION_FIELDS = ("metrics_port", "metrics_host")
 CURRICULA = ("none", "linear")  # --curriculum: the schedules of learner/curriculum.py, and none
 FLOW_CONTROLS = ("pace", "none")  # --flow-control (learner/pacing.py)
 OBS_CODECS = ("lz4", "jpeg")  # --obs-codec: how actors are asked to send image observations (core/codecs.py)
-ENV_BACKENDS = ("gymnasium", "envpool")  # --env-backend (actors/vec.py)
-DEFAULT_ENV_BACKEND = "gymnasium"  # flip to "envpool" once it measures faster for Atari (BENCHMARKS.md, EnvPool)
+ENV_BACKENDS = ("auto", "gymnasium", "envpool")  # --env-backend (actors/vec.py)
+DEFAULT_ENV_BACKEND = "auto"  # envpool for Atari where installed: ~10% more Pong steps per actor core (BENCHMARKS.md 9)
 
 
 def opt(default, help: str, **kw):
@@ -94,10 +94,11 @@ class LearnerConfig:
                                  "included, but the one the learner keeps; 0: none, attach external actors instead)")
     envs_per_actor: int = opt(32, "environments each actor steps with one batched forward pass")
     unroll_length: int = opt(20, "T: environment steps per trajectory")
-    env_backend: str = opt(DEFAULT_ENV_BACKEND, "how actors step Atari ids: gymnasium, or envpool (EnvPool's C++ "
-                                                "batch, pip install 'impala-async[envpool]'); other ids (MinAtar, "
-                                                "CartPole, ...) always use gymnasium. Sent to actors as "
-                                                "run.env_backend; an actor's --env-backend wins")
+    env_backend: str = opt(DEFAULT_ENV_BACKEND, "how actors step Atari ids: gymnasium, envpool (EnvPool's C++ "
+                                                "batch, pip install 'impala-async[envpool]'), or auto (envpool where "
+                                                "installed, else gymnasium); other ids (MinAtar, CartPole, ...) "
+                                                "always use gymnasium. Sent to actors as run.env_backend (the "
+                                                "backend chosen); an actor's --env-backend wins")
     actor_device: str = opt("cpu", "where local actors run the policy's forward pass: cpu or cuda[:N]")
     # ---- model
     model: str = opt("auto", "network: auto (mlp for vectors; for uint8 images the MinAtar net up to 16x16 pixels, the "
