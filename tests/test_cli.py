@@ -145,6 +145,7 @@ def test_env_kwargs_reach_learner_and_actors(tmp_path):
     assert bad.returncode != 0 and "no_such_argument" in bad.stderr, bad.stderr
 
 
+@pytest.mark.slow  # ~40 s; the MinAtar result (BENCHMARKS.md, section 10) is the image path's learning proof now
 def test_image_path_learns(tmp_path):
     """The conv network, uint8 frames, the ring and V-trace together learn what they see: a visual bandit (random
     play returns 0, reading the picture returns 1) reaches 0.9 with default settings."""
