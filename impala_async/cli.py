@@ -193,17 +193,15 @@ def cmd_learner(args) -> int:
 def cmd_actor(args) -> int:
     import signal
 
-    from .actors import actor, observe
+    from .actors import actor, observe, vec
     from .actors.procs import ActorProcesses, actor_argv
 
     # A supervised child never serves /healthz (its supervisor does; actor_argv also gives it --metrics-port 0).
     serve_port = 0 if args.parent_pid else args.metrics_port
     try:  # refusals come before any process starts, as one line
         weights = args.weights or actor.weights_address(args.learner)
-        if args.env_backend == "envpool":
-            import importlib.util
-            if importlib.util.find_spec("envpool") is None:
-                raise ValueError("--env-backend envpool needs EnvPool: pip install 'impala-async[envpool]'")
+        if args.env_backend == "envpool" and not vec.envpool_installed():
+            raise ValueError(vec.ENVPOOL_MISSING)
         if args.device != "cpu":
             _resolve_device(args.device)
         if args.curve_keys:

@@ -51,6 +51,7 @@ class Endpoints:
     def __init__(self, sock, given: str):
         self.sock, self.given = sock, given
         self.extra: set[str] = set()  # connected besides ``given``
+        self._listed: list | None = None  # the list the connections were made for
         self._hosts: dict[str, frozenset] = {}
 
     def _addresses(self, host: str) -> frozenset:
@@ -74,8 +75,9 @@ class Endpoints:
     def update(self, run_info: dict) -> None:
         """Connect to the addresses ``run_info`` lists that are not connected yet; disconnect those it dropped."""
         listed = run_info.get("trajectory_addresses")
-        if type(listed) is not list:
-            return  # a learner without the key: its one address is the one given
+        if type(listed) is not list or listed == self._listed:
+            return  # a learner without the key (its one address is the one given), or nothing changed
+        self._listed = list(listed)
         wanted: set[str] = set()
         for address in listed[:MAX_ADDRESSES]:
             if type(address) is not str:

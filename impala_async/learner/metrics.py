@@ -28,8 +28,9 @@ class Reporter:
 
     def _snapshot(self, now: float) -> dict:
         s, ing = self.s, self.s.ingest
-        summed, _ = totals(s)  # every learner rank's (ranks.py); this one's alone with one rank
-        return {"t": now, "env_steps": summed["env_steps"], "trajectories": summed["trajectories_received"],
+        summed, per_rank = totals(s)  # every learner rank's (ranks.py); this one's alone with one rank
+        return {"t": now, "summed": summed, "per_rank": per_rank, "env_steps": summed["env_steps"],
+                "trajectories": summed["trajectories_received"],
                 "own_trajectories": ing.trajectories_received, "bytes": summed["bytes_received"],
                 "decoded": summed["decoded_bytes"], "batches": s.trainer.batches,
                 "stages": {**s.stage_s, **ing.stage_s, **s.trainer.stage_s}}
@@ -122,7 +123,7 @@ class Reporter:
         rec["rho_hist_edges"] = list(RHO_BIN_EDGES)
         # With several learner ranks the ingest counters are sums over the ranks, and each rank's figures are under
         # "ranks" (the others' as of their latest heartbeat); episode_return_mean is over the episodes rank 0 got.
-        summed, per_rank = totals(s)
+        summed, per_rank = cur["summed"], cur["per_rank"]
         rec.update({k: summed[k] for k in ("env_steps", "episodes", "trajectories_received", "trajectories_rejected",
                                            "messages_received", "messages_rejected", "bytes_received",
                                            "trajectories_dropped", "dropped_full", "dropped_stale",
