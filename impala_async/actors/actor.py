@@ -21,7 +21,7 @@ import zmq
 
 from ..core import codecs, frames, wire
 from .endpoints import Endpoints
-from .procs import BEAT, GRACE
+from .procs import BEAT, GRACE, die_with_parent
 from .rollout import Policy, unroll
 from .vec import AUTO, BACKENDS, VecEnv, make_vec
 
@@ -103,19 +103,6 @@ class Heartbeat:
             pass  # a full pipe means the supervisor is behind; a broken one, that it is gone
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    if not parent_pid:
-        return
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        raise SystemExit(0)
-
-
 def image_codec(run_info: dict, codec: str) -> tuple[str, int]:
     """``(codec, JPEG quality)`` for the image field: jpeg at ``run.jpeg_quality`` where the learner's ``run.obs_codec``
     asks for it, else this actor's own ``codec`` (lz4, an absent or unknown value included: the learner accepts lz4
@@ -146,7 +133,7 @@ def _receive_weights(sub: zmq.Socket, max_bytes: int, timeout_ms: int,
 
 def run(cfg: ActorConfig) -> int:
     """Act until SIGINT/SIGTERM (or the parent's death). Returns the exit code."""
-    _die_with_parent(cfg.parent_pid)
+    die_with_parent(cfg.parent_pid)
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

@@ -25,6 +25,20 @@ STARTUP_GRACE_S = 30.0  # the first beat (interpreter start, torch import) and t
 BEAT, GRACE = b".", b"g"  # what an actor writes to its pipe: "alive", and "alive, about to be busy for a while"
 
 
+def die_with_parent(parent_pid: int) -> None:
+    """This process gets SIGTERM when ``parent_pid`` (its parent) dies, whatever the way (Linux PR_SET_PDEATHSIG);
+    it exits at once if the parent is gone already. 0: nothing (a process started by hand)."""
+    if not parent_pid:
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        raise SystemExit(0)
+
+
 @dataclass
 class _Child:
     index: int

@@ -115,7 +115,6 @@ class PeriodicTasks:
         self.progress.show(rec)
 
 
-
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
     """Wait until ``event`` is set or ``timeout_s`` passes (then it is set too; callers clear it before waiting).
 
@@ -126,5 +125,3 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
         await event.wait()
     finally:
         timer.cancel()
-
-

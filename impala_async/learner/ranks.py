@@ -30,7 +30,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from ..actors.procs import die_with_parent
 from .rankwatch import RankWatch
 
 log = logging.getLogger("impala_async.learner.ranks")
@@ -83,20 +83,6 @@ def _log_format(rank: int) -> None:
                                                datefmt="%H:%M:%S"))
 
 
-def _die_with_parent() -> None:
-    """A rank started by rank 0 ends with it (SIGTERM when it dies, whatever the way)."""
-    parent = int(os.environ.get(PARENT_ENV, "0") or 0)
-    if not parent:
-        return
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent:
-        raise SystemExit(0)
-
-
 def _prefix(raw):
     from torch.distributed import PrefixStore
     return PrefixStore(f"impala-async/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", raw)
@@ -118,7 +104,7 @@ def join_worker(cfg):
         return None
     from ..ops.config import LearnerConfig
     rank, world, local = got
-    _die_with_parent()
+    die_with_parent(int(os.environ.get(PARENT_ENV, "0") or 0))  # a rank started by rank 0 ends with it
     _log_format(rank)
     try:
         raw, store = _connect(rank, world, cfg.rank_start_timeout_s)

@@ -22,7 +22,7 @@ EXIT_RANK_FAILED = 6  # a learner rank died, failed, or hung (README, "Several l
 # Counters each rank reports with its heartbeat; rank 0's metrics hold their sums (and each rank's under "ranks").
 SUMMED = ("env_steps", "episodes", "trajectories_received", "trajectories_rejected", "messages_received",
           "messages_rejected", "bytes_received", "decoded_bytes", "dropped_full", "dropped_stale",
-          "dropped_incarnation", "ring_ready_batches", "ring_waiting_trajectories")
+          "dropped_incarnation", "trajectories_dropped", "ring_ready_batches", "ring_waiting_trajectories")
 PER_RANK = ("trajectories_received", "trajectories_rejected", "trajectories_dropped", "ring_waiting_trajectories",
             "env_steps")
 
@@ -49,7 +49,6 @@ def totals(server) -> tuple[dict, dict]:
     watcher = group.watcher if group is not None and group.rank == 0 else None
     rows = [own] + ([watcher.peers.get(r, {}) for r in range(1, group.world)] if watcher is not None else [])
     sums = {k: sum(int(row.get(k, 0)) for row in rows) for k in SUMMED}
-    sums["trajectories_dropped"] = sums["dropped_full"] + sums["dropped_stale"] + sums["dropped_incarnation"]
     per_rank = {k: [int(row.get(k, 0)) for row in rows] for k in PER_RANK}
     per_rank["alive"] = [1] + [int(watcher.alive(r)) for r in range(1, len(rows))]
     return sums, per_rank
