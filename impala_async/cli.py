@@ -15,242 +15,77 @@ import time
 START_MONOTONIC = time.monotonic()  # wall_s in metrics counts from here, before the heavy imports
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-from .ops.config import (  # noqa: E402
-    ENV_BACKENDS,
-    PER_INVOCATION_FIELDS,
-    LearnerConfig,
-    add_arguments,
+from .config import (  # noqa: E402
+    INDEX,
+    ActorOptions,
+    ActorTarget,
+    MetricsHttp,
     env_metrics_host,
     env_metrics_port,
-    from_arguments,
-    metrics_address_problem,
 )
+from .config import fields as config_fields  # noqa: E402
 
 log = logging.getLogger("impala_async")
+LAYERS_HELP = """
+
+Each value comes from the highest of these layers: the built-in defaults, a preset for the environment's family
+(--preset), the checkpoint's configuration (--resume), --config FILE, the flags typed. The resolved configuration, with
+the layer of each value, is written to LOGDIR/config.json and its differences from the defaults are printed at start.
+"""
 
 
-def _default_publish(listen: str) -> str:
-    if listen.startswith("tcp://"):
-        host, _, port = listen[len("tcp://"):].rpartition(":")
-        return f"tcp://{host}:{'*' if port == '*' else int(port) + 1}"
-    if listen.startswith("ipc://"):
-        return listen + ".weights"
-    raise ValueError(f"cannot derive a publish address from {listen!r}: give --publish")
+def learner_sections():
+    from .config.learner import section_classes
+
+    return section_classes()
+# train and learner: --listen defaults (a free loopback port for train, the documented 5555 for learner), and what
+# each command fixes whatever the flags say
+COMMANDS = {"train": ("tcp://127.0.0.1:*", {}), "learner": ("tcp://127.0.0.1:5555", {"num_actors": 0})}
+LEARNER_SKIPS = {"train": (), "learner": ("num_actors", "envs_per_actor")}  # flags the learner command has not
 
 
-def _resolve_device(name: str, flag: str = "--device"):
-    import torch
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"impala-async: {flag} {name} asked for, but torch sees no CUDA device")
-    return device
-
-
-def _run_learner(cfg: LearnerConfig, default_listen: str, resumed: dict | None = None, argv=()) -> int:
-    from .learner import ranks
-    from .ops import auth
-
-    group = ranks.join_worker(cfg)  # a learner rank > 0 (learner/ranks.py) runs rank 0's configuration
-    if group is not None:
-        cfg = group.cfg
-    try:  # before the heavy imports: a refusal to start is immediate
-        cfg.listen = cfg.listen or default_listen
-        cfg.publish = cfg.publish or _default_publish(cfg.listen)
-        cfg.check()
-        if cfg.tensorboard:
-            from .learner import tboard
-            if tboard.missing():
-                raise ValueError(tboard.missing())
-        auth.refuse_insecure(cfg.listen, cfg.publish, bool(cfg.curve_keys), bool(cfg.insecure))
-        keys = auth.load_learner_keys(cfg.curve_keys) if cfg.curve_keys else None
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"impala-async: {e}") from None
-
-    import gymnasium as gym
-    import numpy as np
-    import torch
-    import uvloop
-
-    from .actors.procs import ActorProcesses, actor_argv
-    from .actors.vec import make_vec
-    from .core import codecs, wire
-    from .core.spec import TrajectorySpec
-    from .learner.learn import Learner
-    from .learner.server import LearnerServer
-
-    if not cfg.logdir:
-        cfg.logdir = f"runs/{cfg.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-    group = group or ranks.join_lead(cfg, resumed, list(argv))  # rank 0 of several: starts the others now
-    device = _resolve_device(cfg.device)
-    if cfg.local_actors > 0 and cfg.actor_device != "cpu":
-        _resolve_device(cfg.actor_device, "--actor-device")  # no CUDA device: refused before any actor starts
-    torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # the actors need the other cores more than a small network needs threads
-    try:  # one environment as the actors build it (actors/vec.py): its spaces, and how it stacks frames
-        env = make_vec(cfg.env, cfg.env_kwargs_dict, 1, cfg.env_backend)
-    except (TypeError, ValueError) as e:  # an argument the environment (or EnvPool) does not take
-        raise SystemExit(f"impala-async: --env {cfg.env} --env-kwargs {cfg.env_kwargs}: {e}") from None
-    except gym.error.DependencyNotInstalled as e:
-        raise SystemExit(f"impala-async: {e}") from None
-    spec = TrajectorySpec.from_spaces(env.single_observation_space, env.single_action_space, cfg.unroll_length,
-                                      frame_stack=env.frame_stack if cfg.frame_dedup else 0,
-                                      core_state_size=cfg.lstm_size if cfg.use_lstm else 0)
-    high = float(np.max(env.single_observation_space.high)) if spec.obs_dtype == "uint8" else 255.0
-    if not cfg.input_scale:  # uint8 images to [0, 1]: 1/255 for pixels, 1 for MinAtar's 0/1 planes
-        cfg.input_scale = 1.0 / max(1.0, high)
-    env.close()
-    if cfg.obs_codec == codecs.CODEC_JPEG and codecs.refusal(spec.fields[0], high):
-        raise SystemExit(f"impala-async: --env {cfg.env}: {codecs.refusal(spec.fields[0], high)}")
-    cfg.resolve_for(spec.trajectory_nbytes)
-    if group is not None:  # the process group; rank 0's checkpoint state, on every rank
-        device, resumed = group.start(device), group.resumed
-    try:
-        learner = Learner(cfg, spec, device)
-    except ValueError as e:  # a network this observation space cannot take (an LSTM on vectors, images too small)
-        raise SystemExit(f"impala-async: {e}") from None
-    if resumed is not None:
-        if dataclasses.replace(TrajectorySpec.from_dict(resumed["spec"]), frame_stack=0) != \
-                dataclasses.replace(spec, frame_stack=0):  # how frames travel may change; the network may not
-            raise SystemExit(f"impala-async: the checkpoint's trajectory spec {resumed['spec']} differs from this "
-                             f"run's {spec.to_dict()}: resume with the same --env and --unroll-length")
-        learner.load_state_dict(resumed["learner"])
-        log.info("resumed at %d env steps, policy version %d", learner.env_steps_trained, resumed["policy_version"])
-    if group is not None:
-        group.distribute(learner)  # gradients averaged over the ranks
-    run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": cfg.env, "env_kwargs": cfg.env_kwargs_dict,
-                "spec": spec.to_dict(), "model": learner.model_config.to_dict(),
-                "max_trajectories_per_message": cfg.max_trajectories_per_message,
-                "max_message_bytes": cfg.max_message_bytes, "obs_codec": cfg.obs_codec,
-                "jpeg_quality": cfg.jpeg_quality, "env_backend": env.backend}
-    server: LearnerServer | None = None
-    actors = None
-    if group is not None and group.rank and keys is not None and cfg.local_actors > 0:
-        keys = group.share_local_actor_key(keys)  # rank 0 made train's local actors a key: admit it too
-    if cfg.local_actors > 0 and (group is None or group.rank == 0):
-        extra = ["--send-hwm-messages", str(cfg.actor_send_hwm_messages),
-                 "--send-buffer-bytes", str(cfg.actor_send_buffer_bytes), "--device", cfg.actor_device]
-        if keys is not None:  # local actors get a key pair of their own, admitted for this run only
-            local_dir, keys = auth.local_actor_keys(keys, Path(cfg.logdir) / ".local-actor-keys")
-            keys = keys if group is None else group.share_local_actor_key(keys)
-            extra += ["--curve-keys", str(local_dir)]
-        actors = ActorProcesses(
-            lambda i, fd: actor_argv(server.listen_endpoint, server.publish_endpoint, i, fd, seed=cfg.seed,
-                                     envs_per_actor=cfg.envs_per_actor, heartbeat_interval_s=cfg.heartbeat_interval_s,
-                                     extra=extra),
-            cfg.local_actors, max_restarts=cfg.max_actor_restarts, heartbeat_timeout_s=cfg.heartbeat_timeout_s)
-    server = LearnerServer(cfg, learner, spec, run_info, cfg.logdir, start_monotonic=START_MONOTONIC, actors=actors,
-                           keys=keys, resumed=resumed, ranks=group)
-    code = uvloop.run(server.serve())
-    if code and server.lead:
-        print(f"impala-async: stopped: {server.exit_reason}", file=sys.stderr)
-    return code if group is None else group.exit(code)
-
-
-def _config(args, **forced) -> tuple[LearnerConfig, dict | None]:
-    """The run's configuration: from the flags, or with --resume from the newest good checkpoint's, where flags given
-    explicitly on this command line win (so a resumed run can, say, raise --total-env-steps)."""
-    from .learner import ranks
-
-    if not args.resume or ranks.env_rank() > 0:  # a learner rank > 0 takes rank 0's configuration and checkpoint
-        return from_arguments(LearnerConfig, args, **forced), None
+def load_learner_config(args):
+    """train and learner: (the configuration's layers, the state of the checkpoint a --resume continues or None);
+    SystemExit with one line for a wrong file or value, or a resume without a usable checkpoint."""
     from .learner import checkpoint
+    from .learner import main as learner_main
 
-    found = checkpoint.load_latest(args.resume, max_bytes=args.max_checkpoint_bytes,
-                                   validate=checkpoint.validate_learner_state, quarantine=True)
-    if found is None:
-        raise SystemExit(f"impala-async: no usable checkpoint in {args.resume} (see the warnings above)")
-    state, path = found
-    log.info("resuming from %s", path)
-    names = {f.name for f in dataclasses.fields(LearnerConfig)}
-    values = {k: v for k, v in state["config"].items() if k in names}
-    values.update({k: getattr(args, k) for k in args.explicit if k in names})
-    values.update({k: getattr(args, k) for k in PER_INVOCATION_FIELDS})  # this process's, never the checkpoint's
-    if "listen" in args.explicit and "publish" not in args.explicit:
-        values["publish"] = ""  # derived from the new --listen, not the old run's port
-    values.update(forced, logdir=args.resume)
-    return LearnerConfig(**values), state
+    flags = {k: v for k, v in vars(args).items() if k in INDEX}  # exactly the flags typed (their default: SUPPRESS)
 
+    def load_checkpoint(directory: str, max_bytes: int):
+        return checkpoint.load_latest(directory, max_bytes=max_bytes, validate=checkpoint.validate_learner_state,
+                                      quarantine=True)
 
-def cmd_train(args) -> int:
-    cfg, resumed = _config(args)
-    return _run_learner(cfg, "tcp://127.0.0.1:*", resumed, args.argv)
+    try:
+        return learner_main.configure(flags, file=args.config, resume=args.resume, command=COMMANDS[args.command][1],
+                                      load_checkpoint=load_checkpoint)
+    except ValueError as e:
+        raise SystemExit(f"impala-async: {e}") from None
 
 
 def cmd_learner(args) -> int:
-    cfg, resumed = _config(args, num_actors=0)
-    return _run_learner(cfg, "tcp://127.0.0.1:5555", resumed, args.argv)
+    from .learner import main as learner_main
+
+    layered, resumed = load_learner_config(args)
+    return learner_main.run(layered, resumed, command=args.command, default_listen=COMMANDS[args.command][0],
+                            argv=args.argv, start_monotonic=START_MONOTONIC)
+
+
+def _section(cls, args, learner: bool = False):
+    """A section from the defaults and the flags typed (a refusal, one line, if a value is wrong)."""
+    values = {f.name: getattr(args, config_fields.flag_of(f, learner)) for f in config_fields.fields_of(cls)
+              if hasattr(args, config_fields.flag_of(f, learner))}
+    return cls(**values)
 
 
 def cmd_actor(args) -> int:
-    import signal
+    from .actors import main as actor_main
 
-    from .actors import actor, observe, vec
-    from .actors.procs import ActorProcesses, actor_argv
-
-    # A supervised child never serves /healthz (its supervisor does; actor_argv also gives it --metrics-port 0).
-    serve_port = 0 if args.parent_pid else args.metrics_port
-    try:  # refusals come before any process starts, as one line
-        weights = args.weights or actor.weights_address(args.learner)
-        if args.env_backend == "envpool" and not vec.envpool_installed():
-            raise ValueError(vec.ENVPOOL_MISSING)
-        if args.device != "cpu":
-            _resolve_device(args.device)
-        if args.curve_keys:
-            from .ops import auth
-            auth.load_actor_keys(args.curve_keys)
-        problem = metrics_address_problem(serve_port, args.metrics_host)
-        if problem:
-            raise ValueError(problem)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"impala-async: {e}") from None
-    if args.num_actors == 1 and not serve_port:  # with a metrics port, even one actor runs under the supervisor
-        return actor.run(actor.ActorConfig(
-            learner=args.learner, weights=weights, index=args.index, seed=args.seed,
-            envs_per_actor=args.envs_per_actor, codec=args.codec, parent_pid=args.parent_pid,
-            max_wait_for_weights_s=args.max_wait_for_weights_s, heartbeat_fd=args.heartbeat_fd,
-            heartbeat_interval_s=args.heartbeat_interval_s, curve_keys=args.curve_keys,
-            send_hwm_messages=args.send_hwm_messages, send_buffer_bytes=args.send_buffer_bytes,
-            connection_timeout_s=args.connection_timeout_s, env_backend=args.env_backend, device=args.device))
-    extra = ["--codec", args.codec, "--env-backend", args.env_backend, "--device", args.device,
-             "--send-hwm-messages", str(args.send_hwm_messages), "--send-buffer-bytes",
-             str(args.send_buffer_bytes), "--connection-timeout-s", str(args.connection_timeout_s)] + (
-        ["--curve-keys", args.curve_keys] if args.curve_keys else [])
-    procs = ActorProcesses(
-        lambda i, fd: actor_argv(args.learner, weights, args.index + i, fd, seed=args.seed,
-                                 envs_per_actor=args.envs_per_actor, heartbeat_interval_s=args.heartbeat_interval_s,
-                                 extra=extra),
-        args.num_actors, heartbeat_timeout_s=args.heartbeat_timeout_s)
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
-    signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    state, http = observe.SupervisorState(procs), None
-    if serve_port:  # before the actors start: a port that cannot be bound is refused at once
-        try:
-            http = observe.serve(state, args.metrics_host, serve_port, max_connections=args.max_metrics_connections,
-                                 request_timeout_s=args.metrics_request_timeout_s,
-                                 max_request_bytes=args.max_metrics_request_bytes)
-        except OSError as e:
-            raise SystemExit(f"impala-async: cannot serve /healthz on {args.metrics_host}:{serve_port} "
-                             f"(--metrics-host, --metrics-port): {e}") from None
-    procs.start()
-    print(f"impala-async: {args.num_actors} actors -> {args.learner} (weights from {weights})", flush=True)
-    while not stopping:
-        procs.check()
-        time.sleep(0.2)
-    state.stopping = True  # /healthz: 503 from here on
-    procs.stop(5.0)
-    if http is not None:
-        http.close()
-    return 0
+    return actor_main.run(_section(ActorTarget, args), _section(ActorOptions, args), _section(MetricsHttp, args),
+                          parent_pid=args.parent_pid, heartbeat_fd=args.heartbeat_fd)
 
 
 def cmd_keygen(args) -> int:
@@ -282,7 +117,7 @@ def cmd_healthcheck(args) -> int:
 
 
 def _add_metrics_flags(p: argparse.ArgumentParser) -> None:
-    """--metrics-port and --metrics-host, defaulting to the environment as the learner's do (ops/config.py)."""
+    """--metrics-port and --metrics-host, defaulting to the environment as the learner's do (config/machine.py)."""
     p.add_argument("--metrics-port", type=int, default=env_metrics_port(), help=(
         "serve /healthz and /metrics on this TCP port (0: off; default: $IMPALA_ASYNC_METRICS_PORT, else 0)"))
     p.add_argument("--metrics-host", default=env_metrics_host(), help=(
@@ -330,61 +165,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="impala-async", description="IMPALA (V-trace actor-learner) over ZeroMQ.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train = sub.add_parser("train", help="run a learner and local actors", description=(
-        "Train with a learner and --num-actors local actor processes. External actors may attach as well."))
-    add_arguments(train, LearnerConfig)
-    train.add_argument("--resume", metavar="LOGDIR", default="", help=(
-        "continue the run in LOGDIR from its newest good checkpoint: same configuration (flags given here win), "
-        "counters intact, metrics appended"))
-    train.set_defaults(func=cmd_train)
-    learner = sub.add_parser("learner", help="run only the learner; actors attach by address", description=(
-        "Run the learner alone. Actors on this or other machines attach with "
-        "'impala-async actor --learner ADDRESS'; the addresses are printed at start."))
-    add_arguments(learner, LearnerConfig, skip={"num_actors", "envs_per_actor"})
-    learner.add_argument("--resume", metavar="LOGDIR", default="", help=(
-        "continue from LOGDIR's newest good checkpoint (a restarted learner; attached actors carry on)"))
-    learner.set_defaults(func=cmd_learner)
+    for name, text, description in (
+            ("train", "run a learner and local actors", "Train with a learner and --num-actors local actor processes. "
+             "External actors may attach as well."),
+            ("learner", "run only the learner; actors attach by address", "Run the learner alone. Actors on this or "
+             "other machines attach with 'impala-async actor --learner ADDRESS'; the addresses are printed at start.")):
+        cmd = sub.add_parser(name, help=text, description=description + LAYERS_HELP,
+                             usage=f"impala-async {name} [-h] [--config FILE] [--resume LOGDIR] [--FLAG VALUE ...]",
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        cmd.add_argument("--config", metavar="FILE", default="", help=(
+            "a TOML or YAML file of flag names and values (tables named after the sections below allowed), or a "
+            "run's LOGDIR/config.json to run its configuration again; flags typed here win"))
+        cmd.add_argument("--resume", metavar="LOGDIR", default="", help=(
+            "continue the run in LOGDIR from its newest good checkpoint: same configuration (--config and flags given "
+            "here win), counters intact, metrics appended (a restarted learner: attached actors carry on)"))
+        for _, cls in learner_sections():
+            config_fields.add_arguments(cmd, cls, learner=True, skip=LEARNER_SKIPS[name])
+        cmd.set_defaults(func=cmd_learner)
     act = sub.add_parser("actor", help="run actors that attach to a learner", description=(
         "Run actors against a running learner. The environment, unroll length and network come from the "
         "learner with its weights."))
-    act.add_argument("--learner", required=True, help="the learner's trajectory address (its --listen)")
-    act.add_argument("--weights", default="", help="the learner's weights address (default: learner port + 1)")
-    act.add_argument("--num-actors", type=int, default=1, help="actor processes to run (default: 1)")
-    act.add_argument("--envs-per-actor", type=int, default=16, help="environments per actor (default: 16)")
-    act.add_argument("--seed", type=int, default=0, help="base seed (default: 0)")
-    act.add_argument("--index", type=int, default=0, help="index of the first actor, for seeding (default: 0)")
-    act.add_argument("--send-hwm-messages", type=int, default=4,
-                     help="ZMQ_SNDHWM: messages queued before a send waits (default: 4)")
-    act.add_argument("--send-buffer-bytes", type=int, default=0,
-                     help="ZMQ_SNDBUF, the kernel's send buffer (default: 0, the system's)")
-    act.add_argument("--connection-timeout-s", type=float, default=6.0, help=(
-        "drop and remake a connection to the learner that answers no ZeroMQ heartbeat for this long; connection "
-        "attempts give up after half of it (0: TCP's own timeouts, minutes after a long outage) (default: 6)"))
-    act.add_argument("--codec", choices=("lz4", "none"), default="lz4", help=(
-        "array compression (default: lz4); images go as JPEG instead when the learner asks for it (--obs-codec jpeg)"))
-    act.add_argument("--env-backend", choices=("", *ENV_BACKENDS), default="", metavar="{auto,gymnasium,envpool}",
-                     help=("how to step Atari ids: gymnasium, envpool (pip install 'impala-async[envpool]') or auto "
-                           "(envpool where installed); other ids always use gymnasium (default: the learner's "
-                           "run.env_backend, else gymnasium)"))
-    act.add_argument("--device", default="cpu", help="where the policy's forward pass runs: cpu or cuda[:N] "
-                                                     "(default: cpu)")
-    act.add_argument("--curve-keys", default="", help="directory with actor.key_secret and learner.key: connect with "
-                                                      "CurveZMQ (see README, Security)")
-    act.add_argument("--max-wait-for-weights-s", type=float, default=600.0,
-                     help="give up if no weights arrive within this long (default: 600)")
-    act.add_argument("--heartbeat-interval-s", type=float, default=1.0,
-                     help="actors report that they are alive this often (default: 1)")
-    act.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
-                     help="with --num-actors > 1 or a metrics port (the supervisor): replace an actor silent "
-                          "for this long (default: 10)")
-    _add_metrics_flags(act)
-    defaults = {f.name: f.default for f in dataclasses.fields(LearnerConfig)}
-    act.add_argument("--max-metrics-connections", type=int, default=defaults["max_metrics_connections"],
-                     help="metrics HTTP connections answered at once (default: %(default)s)")
-    act.add_argument("--metrics-request-timeout-s", type=float, default=defaults["metrics_request_timeout_s"],
-                     help="a metrics HTTP request must be answered within this long (default: %(default)s)")
-    act.add_argument("--max-metrics-request-bytes", type=int, default=defaults["max_metrics_request_bytes"],
-                     help="a longer metrics HTTP request head is refused (default: %(default)s)")
+    for cls in (ActorTarget, ActorOptions, MetricsHttp):
+        config_fields.add_arguments(act, cls, learner=False, required=("learner",))
     act.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     act.add_argument("--heartbeat-fd", type=int, default=-1, help=argparse.SUPPRESS)
     act.set_defaults(func=cmd_actor)
@@ -406,22 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _explicit_flags(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> set[str]:
-    """Destinations of the options actually typed on the command line (not left at their defaults)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
-    given = set()
-    for action in sub._actions:
-        for opt in action.option_strings:
-            if any(tok == opt or tok.startswith(opt + "=") for tok in argv):
-                given.add(action.dest)
-    return given
-
-
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    args.explicit = _explicit_flags(parser, args.command, argv)
     args.argv = argv  # learner ranks > 0 run the same command line (learner/ranks.py)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -16,7 +16,8 @@ from impala_async.core.spec import TrajectorySpec
 from impala_async.learner import checkpoint
 from impala_async.learner.learn import Learner
 from impala_async.learner.server import LearnerServer
-from impala_async.ops.config import LearnerConfig
+from impala_async.config import Layered, LearnerConfig
+from impala_async.config.resolve import Probe, resolve
 
 
 class Exhausted:
@@ -44,8 +45,8 @@ class Exhausted:
 
 def _server(tmp_path) -> LearnerServer:
     spec = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
-    cfg = LearnerConfig(checkpoint_interval_s=600, checkpoint_retry_interval_s=10).check()
-    cfg.resolve_for(spec.trajectory_nbytes)
+    cfg = LearnerConfig.of(checkpoint_interval_s=600, checkpoint_retry_interval_s=10).check()
+    cfg = resolve(Layered(cfg), default_listen="tcp://127.0.0.1:*", probe=Probe(None, spec.trajectory_nbytes)).cfg
     learner = Learner(cfg, spec, torch.device("cpu"))
     server = LearnerServer(cfg, learner, spec, {}, tmp_path, start_monotonic=time.monotonic())
     server.checkpoints = checkpoint.CheckpointWriter(tmp_path, keep=3)  # what _startup does

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from impala_async.ops.config import LearnerConfig, usable_cpus
+from impala_async.config import LearnerConfig, usable_cpus
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -27,5 +27,5 @@ def test_usable_cpus_without_a_cgroup_file(tmp_path):
 
 
 def test_auto_actor_count_keeps_a_core_for_the_learner():
-    assert LearnerConfig(num_actors=-1).local_actors == max(1, usable_cpus() - 1)
-    assert LearnerConfig(num_actors=5).local_actors == 5
+    assert LearnerConfig.of(num_actors=-1).local_actors == max(1, usable_cpus() - 1)
+    assert LearnerConfig.of(num_actors=5).local_actors == 5

@@ -12,8 +12,8 @@ from procutil import cli, read_metrics, stop, tail
 from impala_async.actors.envs import make_env, set_difficulty
 from impala_async.core import wire
 from impala_async.learner import curriculum
-from impala_async.ops import config
-from impala_async.ops.config import LearnerConfig
+from impala_async.config import sections as config
+from impala_async.config import LearnerConfig
 
 
 def test_linear_schedule():
@@ -30,11 +30,11 @@ def test_linear_schedule():
 def test_config_names_the_schedules():
     assert set(config.CURRICULA) == {"none", *curriculum.SCHEDULES}
     assert curriculum.from_config(LearnerConfig()) is None
-    cfg = LearnerConfig(curriculum="linear", curriculum_start=1.0, curriculum_end=3.0, curriculum_episodes=100)
+    cfg = LearnerConfig.of(curriculum="linear", curriculum_start=1.0, curriculum_end=3.0, curriculum_episodes=100)
     assert curriculum.from_config(cfg).value(50) == 2.0
     for bad in ({"curriculum": "cosine"}, {"curriculum_episodes": 0}, {"curriculum_end": float("inf")}):
         with pytest.raises(ValueError, match="curriculum"):
-            LearnerConfig(**bad).check()
+            LearnerConfig.of(**bad).check()
 
 
 def test_weights_message_carries_the_difficulty():

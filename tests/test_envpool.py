@@ -68,9 +68,9 @@ def test_auto_is_envpool_for_atari_where_installed(monkeypatch):
     every other id), so that a core install gives no warning and the envpool extra is used once installed."""
     import importlib.util
 
-    from impala_async.ops.config import DEFAULT_ENV_BACKEND, LearnerConfig
+    from impala_async.config import DEFAULT_ENV_BACKEND, LearnerConfig
 
-    assert DEFAULT_ENV_BACKEND == "auto" and LearnerConfig().env_backend == "auto"
+    assert DEFAULT_ENV_BACKEND == "auto" and LearnerConfig().env.env_backend == "auto"
     installed = importlib.util.find_spec("envpool") is not None
     assert resolve_backend("ALE/Pong-v5", "auto") == ("envpool" if installed else "gymnasium")
     assert resolve_backend("MinAtar/Breakout-v1", "auto") == "gymnasium"
@@ -118,7 +118,7 @@ def test_an_actor_follows_the_learner_or_its_own_flag(monkeypatch, caplog):
     envs = actor._make_envs(cfg, dict(run_info, env_backend="warp-drive"), 1, "uint8", [0])
     assert envs.backend == "gymnasium" and "unknown env backend 'warp-drive'" in caplog.text
     envs.close()
-    cfg.env_backend = "envpool"
+    cfg = actor.ActorConfig(learner="tcp://127.0.0.1:1", weights="tcp://127.0.0.1:2", env_backend="envpool")
     assert actor._make_envs(cfg, run_info, 1, "uint8", [0]) is None
 
 

@@ -14,7 +14,7 @@ from impala_async.actors.envs import frame_stack_of, make_env
 from impala_async.core import frames
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner.learn import Learner
-from impala_async.ops.config import LearnerConfig
+from impala_async.config import LearnerConfig
 
 
 def collect(env_ids, T, seed=0, **kwargs):

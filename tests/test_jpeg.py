@@ -22,7 +22,7 @@ from impala_async.actors.actor import image_codec  # noqa: E402
 from impala_async.actors.envs import PongLike  # noqa: E402
 from impala_async.core import codecs, wire  # noqa: E402
 from impala_async.core.spec import TrajectorySpec  # noqa: E402
-from impala_async.ops.config import LearnerConfig  # noqa: E402
+from impala_async.config import LearnerConfig  # noqa: E402
 
 FRAMES = TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=12, frame_stack=4)
 STACKS = TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=5)  # obs [T+1, C, H, W]
@@ -301,8 +301,8 @@ def test_the_actor_follows_the_learner(monkeypatch):
 def test_the_learner_flag():
     for bad in ({"obs_codec": "png"}, {"jpeg_quality": 0}, {"jpeg_quality": 101}):
         with pytest.raises(ValueError):
-            LearnerConfig(**bad).check()
-    LearnerConfig(obs_codec="jpeg", jpeg_quality=100).check()
+            LearnerConfig.of(**bad).check()
+    LearnerConfig.of(obs_codec="jpeg", jpeg_quality=100).check()
     assert codecs.refusal(FRAMES.fields[0], 255.0) is None and codecs.refusal(STACKS.fields[0], 255.0) is None
     minatar = TrajectorySpec(obs_shape=(4, 10, 10), obs_dtype="uint8", num_actions=3, unroll_length=5)
     assert "0 to 255" in codecs.refusal(minatar.fields[0], 1.0)  # 0/1 planes: JPEG would blur them

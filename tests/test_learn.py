@@ -11,7 +11,7 @@ from helpers import random_arrays
 
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner.learn import Learner
-from impala_async.ops.config import LearnerConfig
+from impala_async.config import LearnerConfig
 
 
 def _spec(env_id: str, T: int = 12) -> TrajectorySpec:
@@ -27,7 +27,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 def _learner(spec: TrajectorySpec, device: str = "cpu", **cfg) -> Learner:
     torch.manual_seed(0)
-    return Learner(LearnerConfig(**cfg), spec, torch.device(device))
+    return Learner(LearnerConfig.of(**cfg), spec, torch.device(device))
 
 
 def _batch(spec: TrajectorySpec, B: int = 8, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -81,7 +81,7 @@ def test_bf16_gradient_agrees_with_fp32(env_id, device):
 
 def test_fp16_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="loss scaling"):
-        LearnerConfig(precision="fp16").check()
+        LearnerConfig.of(precision="fp16").check()
 
 
 def test_extreme_inputs_are_clipped_and_a_non_finite_update_is_skipped():

@@ -21,7 +21,8 @@ from procutil import cli, free_port_pair, stop, tail, wait_for
 from prometheus_client import parser
 
 from impala_async.core import wire
-from impala_async.ops import config, httpd
+from impala_async import config
+from impala_async.ops import httpd
 
 FLAGS = ["--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "--unroll-length", "10",
          "--batch-size", "4", "--report-interval-s", "0.5", "--total-env-steps", "100000000"]
@@ -146,7 +147,7 @@ def test_scrapes_move_while_training_and_rejections_count_by_reason(tmp_path):
         # The histograms are cumulative: +Inf is the count, and every bucket at most the next one.
         buckets = [s.value for s in second["impala_async_policy_lag_versions"].samples if s.name.endswith("_bucket")]
         assert buckets == sorted(buckets) and buckets[-1] == value(second, "impala_async_policy_lag_versions_count")
-        assert value(second, "impala_async_ring_slots") == config.LearnerConfig().ring_batches
+        assert value(second, "impala_async_ring_slots") == config.LearnerConfig().ring.ring_batches
         status, body = get(mport, "/healthz")
         assert status == 200 and body.startswith("ok"), body
         assert get(mport, "/nothing")[0] == 404
@@ -268,20 +269,17 @@ def test_a_resumed_run_serves_where_this_command_says(monkeypatch, tmp_path):
     from impala_async import cli
     from impala_async.learner import checkpoint
 
-    saved = dict(dataclasses.asdict(config.LearnerConfig()), metrics_port=1111, metrics_host="0.0.0.0",
-                 batch_size=7)
+    def configured(argv):
+        return cli.load_learner_config(cli.build_parser().parse_args(argv))[0].cfg
+
+    saved = dict(config.LearnerConfig().flat(), metrics_port=1111, metrics_host="0.0.0.0", batch_size=7)
     monkeypatch.setattr(checkpoint, "load_latest", lambda *a, **k: ({"config": saved}, tmp_path / "checkpoint.pt"))
-    argv = ["train", "--resume", str(tmp_path)]
-    args = cli.build_parser().parse_args(argv)
-    args.explicit = cli._explicit_flags(cli.build_parser(), "train", argv)
-    cfg, _ = cli._config(args)
-    defaults = config.LearnerConfig()  # this process's defaults (from its environment at import)
-    assert (cfg.metrics_port, cfg.metrics_host) == (defaults.metrics_port, defaults.metrics_host) != (1111, "0.0.0.0")
-    assert cfg.batch_size == 7
-    argv = ["train", "--resume", str(tmp_path), "--metrics-port", "3333"]
-    args = cli.build_parser().parse_args(argv)
-    args.explicit = cli._explicit_flags(cli.build_parser(), "train", argv)
-    assert cli._config(args)[0].metrics_port == 3333
+    cfg = configured(["train", "--resume", str(tmp_path)])
+    defaults = config.LearnerConfig().observe  # this process's defaults (from its environment at import)
+    assert (cfg.observe.metrics_port, cfg.observe.metrics_host) == (defaults.metrics_port, defaults.metrics_host) \
+        != (1111, "0.0.0.0")
+    assert cfg.loss.batch_size == 7
+    assert configured(["train", "--resume", str(tmp_path), "--metrics-port", "3333"]).observe.metrics_port == 3333
 
 
 def test_actor_supervisor_healthz(tmp_path):

@@ -29,7 +29,7 @@ from impala_async.core import wire
 from impala_async.learner import checkpoint
 from impala_async.learner.ranks import rank_address
 from impala_async.learner.rankwatch import EXIT_RANK_FAILED
-from impala_async.ops.config import LearnerConfig
+from impala_async.config import LearnerConfig
 
 
 # ------------------------------------------------------------------------------------------------- addresses
@@ -74,11 +74,11 @@ def test_an_actor_pushes_to_every_rank_once():
 
 def test_rank_settings_are_checked():
     with pytest.raises(ValueError, match="learner_ranks"):
-        LearnerConfig(learner_ranks=0).check()
+        LearnerConfig.of(learner_ranks=0).check()
     with pytest.raises(ValueError, match="rank_heartbeat_timeout_s"):
-        LearnerConfig(rank_heartbeat_interval_s=1.0, rank_heartbeat_timeout_s=1.5).check()
+        LearnerConfig.of(rank_heartbeat_interval_s=1.0, rank_heartbeat_timeout_s=1.5).check()
     with pytest.raises(ValueError, match="rank_collective_timeout_s"):
-        LearnerConfig(rank_collective_timeout_s=0).check()
+        LearnerConfig.of(rank_collective_timeout_s=0).check()
 
 
 # ---------------------------------------------------------------------------------------------- end to end

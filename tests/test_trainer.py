@@ -15,7 +15,7 @@ from impala_async.core.ring import TrajectoryRing
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner.learn import Learner
 from impala_async.learner.trainer import Trainer
-from impala_async.ops.config import LearnerConfig
+from impala_async.config import LearnerConfig
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 B, BATCHES = 4, 60

@@ -10,13 +10,13 @@ import numpy as np
 from procutil import cli, read_metrics, stop, tail
 
 from impala_async.learner.watch import CollapseWatch
-from impala_async.ops.config import LearnerConfig
+from impala_async.config import LearnerConfig
 
 KNOBS = ("--clip-rho-threshold", "--entropy-cost", "--learning-rate")
 
 
 def watch(fresh: bool = True, **kw) -> CollapseWatch:
-    cfg = LearnerConfig(**kw)
+    cfg = LearnerConfig.of(**kw)
     return CollapseWatch.from_config(cfg, num_actions=2, fresh=fresh)
 
 

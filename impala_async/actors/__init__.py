@@ -1,2 +1,2 @@
-"""Actors: environment construction, the actor process and the supervised local actor processes. Imports only
-``core`` and ``ops``; never learner code."""
+"""Actors: environment construction, the actor process and the supervised local actor processes. Imports ``core``,
+``config`` and ``ops``; never learner code."""

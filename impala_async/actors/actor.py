@@ -19,7 +19,10 @@ import numpy as np
 import torch
 import zmq
 
+from ..config import ActorOptions
 from ..core import codecs, frames, wire
+from ..core.address import port_offset
+from ..ops import zmtp
 from .endpoints import Endpoints
 from .procs import BEAT, GRACE, die_with_parent
 from .rollout import Policy, unroll
@@ -28,39 +31,29 @@ from .vec import AUTO, BACKENDS, VecEnv, make_vec
 log = logging.getLogger("impala_async.actors.actor")
 
 
-@dataclass
+MAX_WEIGHTS_BYTES = 256 << 20  # ZMQ_MAXMSGSIZE of the weights socket: the largest weights message taken
+MAX_PACE_WAIT_S = 60.0  # flow control: the longest an actor waits between two unrolls for the pace
+
+
+@dataclass(frozen=True)
 class ActorConfig:
+    """One actor process: the learner it attaches to, its options (config/actors.py: the same whoever starts it),
+    and its place among its supervisor's actors."""
+
     learner: str  # PUSH connects here (the learner's --listen)
     weights: str  # SUB connects here (the learner's --publish)
+    options: ActorOptions = ActorOptions()
     index: int = 0
     seed: int = 0
-    envs_per_actor: int = 16
-    codec: str = wire.CODEC_LZ4
-    send_hwm_messages: int = 4
-    send_buffer_bytes: int = 0  # ZMQ_SNDBUF (0: the system's)
-    max_weights_bytes: int = 256 << 20
-    max_wait_for_weights_s: float = 600.0
+    curve_keys: str = ""  # directory with actor.key_secret and learner.key: connect with CURVE
+    env_backend: str = ""  # gymnasium or envpool (Atari ids only); "": the learner's run.env_backend
     parent_pid: int = 0  # exit when this process goes away (local actors)
     heartbeat_fd: int = -1  # write end of the supervisor's heartbeat pipe (local actors)
-    heartbeat_interval_s: float = 1.0
-    curve_keys: str = ""  # directory with actor.key_secret and learner.key: connect with CURVE
-    max_pace_wait_s: float = 60.0  # flow control: the longest an actor waits between two unrolls for the pace
-    # A connection to the learner that answers no ZMTP heartbeat for this long is dropped and made anew, and a
-    # connection attempt gives up after half of it: a link that went down and came back resumes within about this
-    # long, instead of after TCP's retransmission backoff (seconds after a 20 s outage, minutes after longer ones).
-    connection_timeout_s: float = 6.0
-    env_backend: str = ""  # gymnasium or envpool (Atari ids only); "": the learner's run.env_backend
-    device: str = "cpu"  # where the policy's forward pass runs: cpu or cuda[:N]
 
 
 def weights_address(learner: str) -> str:
     """Default weights address: the learner's port + 1 (tcp), as the learner binds it by default."""
-    if not learner.startswith("tcp://"):
-        raise ValueError(f"cannot derive a weights address from {learner!r}: give --weights")
-    host, _, port = learner[len("tcp://"):].rpartition(":")
-    if not port.isdigit():
-        raise ValueError(f"cannot derive a weights address from {learner!r}: give --weights")
-    return f"tcp://{host}:{int(port) + 1}"
+    return port_offset(learner, 1, "a weights address (give --weights)")
 
 
 class _Stop:
@@ -148,23 +141,21 @@ def run(cfg: ActorConfig) -> int:
         auth.make_curve_client(sub, keys)
         auth.make_curve_client(push, keys)
     watch = HandshakeWatch(sub, cfg.weights)  # before connect: tells a refusal from an absent learner
-    for sock in (sub, push):
-        if cfg.connection_timeout_s > 0:
-            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.connection_timeout_s * 1000 / 3)))
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.connection_timeout_s * 1000))
-            sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1, int(cfg.connection_timeout_s * 500)))
+    opts = cfg.options
+    for sock in (sub, push):  # a link down and up again resumes within about connection_timeout_s
+        zmtp.heartbeats(sock, opts.connection_timeout_s, connecting=True)
     sub.setsockopt(zmq.CONFLATE, 1)
-    sub.setsockopt(zmq.MAXMSGSIZE, cfg.max_weights_bytes)
+    sub.setsockopt(zmq.MAXMSGSIZE, MAX_WEIGHTS_BYTES)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(cfg.weights)
-    push.setsockopt(zmq.SNDHWM, cfg.send_hwm_messages)
-    if cfg.send_buffer_bytes:
-        push.setsockopt(zmq.SNDBUF, cfg.send_buffer_bytes)
+    push.setsockopt(zmq.SNDHWM, opts.send_hwm_messages)
+    if opts.send_buffer_bytes:
+        push.setsockopt(zmq.SNDBUF, opts.send_buffer_bytes)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(cfg.learner)
     try:
-        return _act(cfg, actor_id, sub, push, stop, Heartbeat(cfg.heartbeat_fd, cfg.heartbeat_interval_s), watch)
+        return _act(cfg, actor_id, sub, push, stop, Heartbeat(cfg.heartbeat_fd, opts.heartbeat_interval_s), watch)
     finally:
         watch.close(sub)
         sub.close(0)
@@ -174,7 +165,8 @@ def run(cfg: ActorConfig) -> int:
 
 def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, stop: _Stop, beat: Heartbeat,
          watch: HandshakeWatch) -> int:
-    deadline = time.monotonic() + cfg.max_wait_for_weights_s
+    opts = cfg.options
+    deadline = time.monotonic() + opts.max_wait_for_weights_s
     first = None
     while first is None:
         beat()
@@ -183,17 +175,17 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
             return 0
         if time.monotonic() > deadline:
             log.error("actor %d: no weights from %s within %.0f s: %s", cfg.index, cfg.weights,
-                      cfg.max_wait_for_weights_s, watch.diagnosis())
+                      opts.max_wait_for_weights_s, watch.diagnosis())
             return EXIT_REFUSED if watch.refused else EXIT_NO_WEIGHTS
-        first = _receive_weights(sub, cfg.max_weights_bytes, 100)
-    policy = Policy(first, cfg.device)
+        first = _receive_weights(sub, MAX_WEIGHTS_BYTES, 100)
+    policy = Policy(first, opts.device)
     ranks = Endpoints(push, cfg.learner)  # a learner of several ranks lists them all: push to each (endpoints.py)
     ranks.update(first.run_info)
     spec, run_info = policy.spec, policy.run_info
-    T, K = spec.unroll_length, cfg.envs_per_actor
+    T, K = spec.unroll_length, opts.envs_per_actor
     per_message = int(run_info.get("max_trajectories_per_message", K)) or K
     try:
-        images, quality = image_codec(run_info, cfg.codec)
+        images, quality = image_codec(run_info, opts.codec)
     except ImportError as e:
         log.error("actor %d: the learner asks for JPEG images (run.obs_codec): %s", cfg.index, e)
         return 2
@@ -228,7 +220,7 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
             part = buf if per_message >= K else {name: a[lo:lo + per_message] for name, a in buf.items()}
             msg = wire.encode_trajectories(spec, actor_id=actor_id, seq=seq, policy_version=policy.version,
                                            incarnation=policy.incarnation, arrays=part, episodes=episodes,
-                                           codec=cfg.codec, sent_at_ns=time.time_ns(), image_codec=images,
+                                           codec=opts.codec, sent_at_ns=time.time_ns(), image_codec=images,
                                            jpeg_quality=quality)
             if not _send(push, msg, stop, beat):
                 break
@@ -240,14 +232,14 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
         while True:
             watch.poll()
             beat()
-            newer = _receive_weights(sub, cfg.max_weights_bytes, wait_ms, have=(policy.version, policy.incarnation))
+            newer = _receive_weights(sub, MAX_WEIGHTS_BYTES, wait_ms, have=(policy.version, policy.incarnation))
             if newer is not None:
                 policy.load(newer)
                 ranks.update(newer.run_info)
                 if newer.difficulty is not None:
                     envs.set_difficulty(newer.difficulty)
                 pace = newer.pace_s_per_trajectory
-            left_s = unroll_start + min(K * pace, cfg.max_pace_wait_s) - time.monotonic()
+            left_s = unroll_start + min(K * pace, MAX_PACE_WAIT_S) - time.monotonic()
             if left_s <= 0 or stop.requested:
                 break
             wait_ms = max(1, min(100, int(left_s * 1000)))

@@ -66,6 +66,12 @@ class ActorProcesses:
         self.replaced_silent = 0
         self.gave_up: list[int] = []
 
+    @classmethod
+    def with_options(cls, argv: Callable[[int, int], list[str]], count: int, options) -> ActorProcesses:
+        """Supervise ``count`` actors as ``options`` (an ActorOptions) say: restarts, heartbeat timeout."""
+        return cls(argv, count, max_restarts=options.max_actor_restarts,
+                   heartbeat_timeout_s=options.heartbeat_timeout_s)
+
     def start(self) -> None:
         for c in self._children:
             self._spawn(c)
@@ -178,11 +184,13 @@ class ActorProcesses:
                 c.proc.kill()
 
 
-def actor_argv(learner: str, weights: str, index: int, heartbeat_fd: int, *, seed: int, envs_per_actor: int,
-               heartbeat_interval_s: float = 1.0, extra=()) -> list[str]:
+def actor_argv(learner: str, weights: str, index: int, heartbeat_fd: int, *, seed: int, options,
+               curve_keys: str = "", env_backend: str = "") -> list[str]:
+    """The command line of supervised actor ``index``: ``options`` (an ActorOptions, config/actors.py) spelled out in
+    full, the supervisor's heartbeat pipe and pid, and never a metrics port (the supervisor serves /healthz; children
+    must not take its port from the environment)."""
     return [sys.executable, "-m", "impala_async", "actor", "--learner", learner, "--weights", weights,
-            "--index", str(index), "--seed", str(seed), "--envs-per-actor", str(envs_per_actor),
-            "--parent-pid", str(os.getpid()), "--heartbeat-fd", str(heartbeat_fd),
-            "--heartbeat-interval-s", str(heartbeat_interval_s),
-            "--metrics-port", "0",  # the supervisor serves /healthz; children must not take its port from the env
-            *extra]
+            "--index", str(index), "--seed", str(seed), *options.argv(),
+            "--parent-pid", str(os.getpid()), "--heartbeat-fd", str(heartbeat_fd), "--metrics-port", "0",
+            *(["--curve-keys", curve_keys] if curve_keys else []),
+            *(["--env-backend", env_backend] if env_backend else [])]

@@ -20,7 +20,6 @@ import re
 import time
 import zipfile
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -240,7 +239,8 @@ class Checkpointing:
             "returns": list(ing.returns),
             "lengths": list(ing.lengths),
             "wall_s": self.wall_offset_s + time.monotonic() - self.t0,
-            "config": asdict(self.cfg),
+            "config": self.cfg.flat(),
+            "config_layers": dict(self.config_layers),
             "spec": self.spec.to_dict(),
             "torch_rng": torch.get_rng_state(),
         }
@@ -260,7 +260,7 @@ class Checkpointing:
         except Exception as e:
             self.checkpoint_failures += 1
             log.error("checkpoint failed (%d so far; retrying in %g s, training goes on): %s: %s",
-                      self.checkpoint_failures, self.cfg.checkpoint_retry_interval_s, type(e).__name__, e)
+                      self.checkpoint_failures, self.cfg.checkpoints.checkpoint_retry_interval_s, type(e).__name__, e)
             return None
 
     def _final_checkpoint(self, attempts: int = 3) -> Path | None:
@@ -269,7 +269,7 @@ class Checkpointing:
             if path is not None:
                 return path
             if i + 1 < attempts:
-                time.sleep(min(1.0, self.cfg.shutdown_timeout_s / 10))
+                time.sleep(min(1.0, self.cfg.run.shutdown_timeout_s / 10))
         return None
 
     def _restore(self, state: dict) -> None:

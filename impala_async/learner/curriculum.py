@@ -42,9 +42,9 @@ SCHEDULES = {"linear": Linear}  # --curriculum NAME (besides "none"; ops/config.
 
 
 def from_config(cfg) -> Schedule | None:
-    """The schedule ``cfg.curriculum`` names, or None for "none"."""
-    if cfg.curriculum == "none":
+    """The schedule ``cfg.env.curriculum`` names, or None for "none"."""
+    if cfg.env.curriculum == "none":
         return None
-    if cfg.curriculum not in SCHEDULES:
-        raise ValueError(f"curriculum must be none or one of {', '.join(SCHEDULES)}, got {cfg.curriculum!r}")
-    return SCHEDULES[cfg.curriculum](cfg.curriculum_start, cfg.curriculum_end, cfg.curriculum_episodes)
+    if cfg.env.curriculum not in SCHEDULES:
+        raise ValueError(f"curriculum must be none or one of {', '.join(SCHEDULES)}, got {cfg.env.curriculum!r}")
+    return SCHEDULES[cfg.env.curriculum](cfg.env.curriculum_start, cfg.env.curriculum_end, cfg.env.curriculum_episodes)

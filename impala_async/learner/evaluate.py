@@ -14,7 +14,6 @@ with pygame), else built from uint8 image observations (:func:`frame_from_obs`),
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -27,9 +26,9 @@ import numpy as np
 import torch
 
 from ..actors.envs import frame_stack_of, make_env
+from ..config import LearnerConfig, from_flat
 from ..core.models import build_model
 from ..core.spec import TrajectorySpec
-from ..ops.config import LearnerConfig
 from . import checkpoint
 from .learn import model_config
 
@@ -95,8 +94,7 @@ def load_state(path: str | Path, max_bytes: int) -> tuple[dict, Path]:
 
 def run_config(state: dict) -> LearnerConfig:
     """The run's LearnerConfig from the checkpoint (fields this version does not know are left out)."""
-    names = {f.name for f in dataclasses.fields(LearnerConfig)}
-    return LearnerConfig(**{k: v for k, v in state["config"].items() if k in names})
+    return from_flat(state["config"], "the checkpoint's configuration", strict=False)
 
 
 def build_network(cfg: LearnerConfig, spec: TrajectorySpec, weights: dict) -> torch.nn.Module:
@@ -293,21 +291,21 @@ def evaluate(opts: EvalOptions, progress=None) -> Report:
     spec = TrajectorySpec.from_dict(state["spec"])
     model = build_network(cfg, spec, state["learner"]["model"])
     writer = VideoWriter(opts.video, opts.fps, opts.video_max_frames) if opts.video else None
-    env, renders = make_eval_env(cfg.env, cfg.env_kwargs_dict, render=writer is not None)
+    env, renders = make_eval_env(cfg.env.env, cfg.env.env_kwargs_dict, render=writer is not None)
     try:
         got = TrajectorySpec.from_spaces(env.observation_space, env.action_space, spec.unroll_length)
         if (got.obs_shape, got.obs_dtype, got.num_actions) != (spec.obs_shape, spec.obs_dtype, spec.num_actions):
-            raise EvalError(f"{cfg.env} now has observations {got.obs_dtype} {list(got.obs_shape)} and "
+            raise EvalError(f"{cfg.env.env} now has observations {got.obs_dtype} {list(got.obs_shape)} and "
                             f"{got.num_actions} actions; the checkpoint was trained on {spec.obs_dtype} "
                             f"{list(spec.obs_shape)} and {spec.num_actions}")
         stacked = frame_stack_of(env) > 0
         policy = Policy(model, spec, opts.greedy, np.random.default_rng(opts.seed))
-        report = Report(str(path), cfg.env, int(state["learner"]["env_steps_trained"]), int(state["policy_version"]),
+        report = Report(str(path), cfg.env.env, int(state["learner"]["env_steps_trained"]), int(state["policy_version"]),
                         opts.greedy, opts.seed, video_format=writer.format if writer else "")
         recorded = opts.video_episodes or opts.episodes
 
         def record(obs: np.ndarray) -> None:
-            writer.add(_render(env, cfg.env) if renders else frame_from_obs(obs, stacked))
+            writer.add(_render(env, cfg.env.env) if renders else frame_from_obs(obs, stacked))
 
         t0 = time.monotonic()
         for i in range(opts.episodes):

@@ -213,30 +213,3 @@ def _explain(reason: str, conn: _Conn, g: ConnectionGuard) -> str:
         return (f"all connections held more than {g.max_unread_bytes_total} unread bytes; this one the most "
                 f"({conn.unread_bytes})")
     return f"{conn.messages} messages on a connection that may send {g.max_messages}"
-
-
-FD_RESERVE = 256  # file descriptors kept free of connections: logs, checkpoints, actor pipes, libraries
-
-
-def fit_descriptor_limit(cfg, local_actors: int) -> int:
-    """Raise the soft file-descriptor limit to the hard one, and keep both sockets' connections within it with
-    FD_RESERVE to spare (lowering ``cfg.max_connections`` if need be): peers that open connections by the thousand
-    must not leave the learner unable to open a file (its checkpoint writer also keeps its descriptors open in
-    advance). Returns the soft limit."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
-        except (ValueError, OSError) as e:
-            log.warning("could not raise the file-descriptor limit from %d to %d: %s", soft, want, e)
-    reserve = FD_RESERVE + local_actors
-    fit = max(1, (soft - reserve) // 2) if soft != resource.RLIM_INFINITY else cfg.max_connections
-    if cfg.max_connections > fit:
-        log.warning("max_connections lowered from %d to %d per socket to fit the file-descriptor limit of %d "
-                    "(raise it with ulimit -n)", cfg.max_connections, fit, soft)
-        cfg.max_connections = fit
-    return soft

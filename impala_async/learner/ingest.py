@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..config import LearnerConfig
 from ..core import wire
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
-from ..ops.config import LearnerConfig
 
 log = logging.getLogger("impala_async.learner.ingest")
 UNAUTHENTICATED = "unauthenticated"  # the key name trajectories_by_key counts under without CURVE
@@ -58,11 +58,11 @@ class Ingest:
         self.incarnation = incarnation  # this learner run's; messages acted under an earlier run's weights carry theirs
         self.identities = identities  # CURVE on: replay state is namespaced by the name of the client's key
         self.decoder = wire.TrajectoryDecoder(spec, wire.WireLimits(
-            max_message_bytes=cfg.max_message_bytes, max_trajectories_per_message=cfg.max_trajectories_per_message,
-            max_episodes_per_message=cfg.max_episodes_per_message, max_actor_id_bytes=cfg.max_actor_id_bytes,
-            max_abs_episode_return=cfg.max_abs_episode_return, max_episode_length_steps=cfg.max_episode_length_steps))
+            max_message_bytes=cfg.limits.max_message_bytes, max_trajectories_per_message=cfg.limits.max_trajectories_per_message,
+            max_episodes_per_message=cfg.limits.max_episodes_per_message, max_actor_id_bytes=cfg.limits.max_actor_id_bytes,
+            max_abs_episode_return=cfg.limits.max_abs_episode_return, max_episode_length_steps=cfg.limits.max_episode_length_steps))
         self.steps_per_trajectory = spec.unroll_length
-        self._scratch = {f.name: np.empty((cfg.max_trajectories_per_message, *f.shape), f.dtype) for f in spec.fields}
+        self._scratch = {f.name: np.empty((cfg.limits.max_trajectories_per_message, *f.shape), f.dtype) for f in spec.fields}
         self.pending: tuple[wire.TrajectoryMessage, int, int] | None = None  # (message in scratch, next row, ns)
         self._last_seq: collections.OrderedDict[str, int] = collections.OrderedDict()
         # Counters.
@@ -121,7 +121,7 @@ class Ingest:
             self.stage_s["parse"] += time.perf_counter() - t0
             return
         self.stage_s["parse"] += time.perf_counter() - t0
-        if self._policy_version() - msg.policy_version > self.cfg.max_policy_lag:
+        if self._policy_version() - msg.policy_version > self.cfg.ring.max_policy_lag:
             self.dropped_stale += msg.n
             return
         self._decode(msg, user_id, time.time_ns())
@@ -167,7 +167,7 @@ class Ingest:
         key = self._actor_key(msg, user_id)
         self._last_seq[key] = msg.seq
         self._last_seq.move_to_end(key)
-        if len(self._last_seq) > self.cfg.max_tracked_actors:
+        if len(self._last_seq) > self.cfg.limits.max_tracked_actors:
             self._last_seq.popitem(last=False)
         self.trajectories_by_key[user_id if self.identities else UNAUTHENTICATED] += msg.n
         for ret, length in msg.episodes:
@@ -206,7 +206,7 @@ class Ingest:
         self.last_data_at = time.monotonic()
         if msg.sent_at_ns is not None:  # a peer's clock reading: counted only when plausible
             latency_s = (time.time_ns() - msg.sent_at_ns) * 1e-9
-            if 0.0 <= latency_s <= self.cfg.max_plausible_latency_s:
+            if 0.0 <= latency_s <= self.cfg.limits.max_plausible_latency_s:
                 self.latency_s.add(latency_s)
             else:
                 self.latency_implausible += 1

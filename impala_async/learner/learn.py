@@ -10,10 +10,10 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from ..config import LearnerConfig
 from ..core import frames, vtrace
 from ..core.models import ModelConfig, build_model
 from ..core.spec import TrajectorySpec
-from ..ops.config import LearnerConfig
 from .metrics import RHO_BIN_EDGES
 
 
@@ -24,18 +24,18 @@ class CollectiveError(RuntimeError):
 
 def model_config(cfg: LearnerConfig) -> ModelConfig:
     """The network the configuration asks for (kind "auto" is resolved against the spec by :class:`Learner`).
-    ``cfg.input_scale`` 0 (auto) is resolved by the command line from the observation space; 1/255 here."""
-    lstm = cfg.lstm_size if cfg.use_lstm else 0
-    scale = cfg.input_scale or 1 / 255
-    if cfg.model == "mlp":
-        return ModelConfig("mlp", hidden_sizes=cfg.hidden_size_tuple, activation=cfg.activation)
-    if cfg.model == "shallow":
+    ``cfg.model.input_scale`` 0 (auto) is resolved by the command line from the observation space; 1/255 here."""
+    lstm = cfg.model.lstm_size if cfg.model.use_lstm else 0
+    scale = cfg.model.input_scale or 1 / 255
+    if cfg.model.model == "mlp":
+        return ModelConfig("mlp", hidden_sizes=cfg.model.hidden_size_tuple, activation=cfg.model.activation)
+    if cfg.model.model == "shallow":
         return ModelConfig("conv", input_scale=scale, lstm_size=lstm)
-    if cfg.model == "minatar":
+    if cfg.model.model == "minatar":
         return ModelConfig.minatar(input_scale=scale, lstm_size=lstm)
-    if cfg.model == "deep":
+    if cfg.model.model == "deep":
         return ModelConfig.deep(input_scale=scale, lstm_size=lstm)
-    return ModelConfig(hidden_sizes=cfg.hidden_size_tuple, activation=cfg.activation, input_scale=scale,
+    return ModelConfig(hidden_sizes=cfg.model.hidden_size_tuple, activation=cfg.model.activation, input_scale=scale,
                        lstm_size=lstm)
 
 
@@ -73,11 +73,11 @@ class Learner:
                              f"has an LSTM core of {self.model_config.lstm_size}")
         self.model = build_model(spec, self.model_config).to(device)
         params = self.model.parameters()
-        if cfg.optimizer == "adam":
-            self.optimizer = torch.optim.Adam(params, lr=cfg.learning_rate, eps=cfg.adam_eps)
+        if cfg.loss.optimizer == "adam":
+            self.optimizer = torch.optim.Adam(params, lr=cfg.loss.learning_rate, eps=cfg.loss.adam_eps)
         else:
-            self.optimizer = torch.optim.RMSprop(params, lr=cfg.learning_rate, alpha=cfg.rmsprop_alpha,
-                                                 eps=cfg.rmsprop_eps, momentum=cfg.rmsprop_momentum)
+            self.optimizer = torch.optim.RMSprop(params, lr=cfg.loss.learning_rate, alpha=cfg.loss.rmsprop_alpha,
+                                                 eps=cfg.loss.rmsprop_eps, momentum=cfg.loss.rmsprop_momentum)
         self.env_steps_trained = 0
         self.updates = 0
         self.updates_skipped = 0  # batches whose loss or gradient was not finite
@@ -122,17 +122,17 @@ class Learner:
         self.world = dist.get_world_size()
 
     def learning_rate(self) -> float:
-        if self.cfg.lr_schedule == "constant":
-            return self.cfg.learning_rate
-        return self.cfg.learning_rate * max(0.0, 1.0 - self.env_steps_trained / self.cfg.total_env_steps)
+        if self.cfg.loss.lr_schedule == "constant":
+            return self.cfg.loss.learning_rate
+        return self.cfg.loss.learning_rate * max(0.0, 1.0 - self.env_steps_trained / self.cfg.run.total_env_steps)
 
     def entropy_cost(self) -> float:
         """``entropy_cost``, or with ``final_entropy_cost`` >= 0 linearly from it to that at ``total_env_steps``."""
         cfg = self.cfg
-        if cfg.final_entropy_cost < 0:
-            return cfg.entropy_cost
-        progress = min(1.0, self.env_steps_trained / cfg.total_env_steps)
-        return cfg.entropy_cost + (cfg.final_entropy_cost - cfg.entropy_cost) * progress
+        if cfg.loss.final_entropy_cost < 0:
+            return cfg.loss.entropy_cost
+        progress = min(1.0, self.env_steps_trained / cfg.run.total_env_steps)
+        return cfg.loss.entropy_cost + (cfg.loss.final_entropy_cost - cfg.loss.entropy_cost) * progress
 
     def step(self, batch: dict[str, torch.Tensor]) -> dict:
         """One update from a batch of ``B`` trajectories, batch-major as in the ring: ``obs [B, T+1, ...]`` (or
@@ -155,45 +155,45 @@ class Learner:
         else:
             obs = batch["obs"]
             if obs.is_floating_point():
-                obs = bounded(obs, cfg.max_abs_obs)
+                obs = bounded(obs, cfg.loss.max_abs_obs)
         B, T1 = obs.shape[:2]
         T = T1 - 1
         state, starts = recurrent_inputs(batch) if self.model.recurrent else ((), None)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.loss.precision == "bf16"):
             logits, values = self.forward(obs, state, starts)  # [T+1, B, A], [T+1, B]
         logits, values = logits.float(), values.float()  # everything after the network in fp32
 
         def tm(name):  # time-major [T, B, ...]
             return batch[name].transpose(0, 1)
 
-        rewards = bounded(tm("reward").float(), cfg.max_abs_reward)
-        if cfg.reward_clip > 0:
-            rewards = rewards.clamp(-cfg.reward_clip, cfg.reward_clip)
-        rewards = rewards * cfg.reward_scale
+        rewards = bounded(tm("reward").float(), cfg.loss.max_abs_reward)
+        if cfg.loss.reward_clip > 0:
+            rewards = rewards.clamp(-cfg.loss.reward_clip, cfg.loss.reward_clip)
+        rewards = rewards * cfg.loss.reward_scale
         truncated = tm("truncated").float()
         done = torch.maximum(tm("terminated").float(), truncated)
-        discounts = cfg.discount * (1.0 - done)
+        discounts = cfg.loss.discount * (1.0 - done)
         # A time-limit cut is not a terminal state: bootstrap from the value the actor computed for the final
         # observation (the next slot already holds the reset observation).
-        rewards = rewards + cfg.discount * truncated * bounded(tm("truncation_value").float(),
-                                                               cfg.max_abs_truncation_value)
-        behaviour_logits = bounded(tm("behaviour_logits").float(), cfg.max_abs_logit)
+        rewards = rewards + cfg.loss.discount * truncated * bounded(tm("truncation_value").float(),
+                                                               cfg.loss.max_abs_truncation_value)
+        behaviour_logits = bounded(tm("behaviour_logits").float(), cfg.loss.max_abs_logit)
 
         vt = vtrace.from_logits(
             behaviour_policy_logits=behaviour_logits, target_policy_logits=logits[:T], actions=tm("action"),
             discounts=discounts, rewards=rewards, values=values[:T], bootstrap_value=values[T],
-            clip_rho_threshold=cfg.threshold(cfg.clip_rho_threshold),
-            clip_pg_rho_threshold=cfg.threshold(cfg.clip_pg_rho_threshold),
-            clip_c_threshold=cfg.threshold(cfg.clip_c_threshold), lambda_=cfg.vtrace_lambda)
+            clip_rho_threshold=cfg.loss.threshold(cfg.loss.clip_rho_threshold),
+            clip_pg_rho_threshold=cfg.loss.threshold(cfg.loss.clip_pg_rho_threshold),
+            clip_c_threshold=cfg.loss.threshold(cfg.loss.clip_c_threshold), lambda_=cfg.loss.vtrace_lambda)
         advantages = vt.pg_advantages
-        if cfg.normalize_advantages:
+        if cfg.loss.normalize_advantages:
             advantages = advantages / (advantages.std() + 1e-8)
         pg_loss = -(vt.target_action_log_probs * advantages).mean()
         baseline_loss = 0.5 * (vt.vs - values[:T]).pow(2).mean()
         log_probs = F.log_softmax(logits[:T], dim=-1)
         entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
         entropy_cost = self.entropy_cost()
-        loss = pg_loss + cfg.baseline_cost * baseline_loss - entropy_cost * entropy
+        loss = pg_loss + cfg.loss.baseline_cost * baseline_loss - entropy_cost * entropy
 
         lr = self.learning_rate()
         for group in self.optimizer.param_groups:
@@ -211,7 +211,7 @@ class Learner:
             except RuntimeError as e:
                 raise CollectiveError(f"gradient all-reduce failed: {str(e)[:300]}") from e
             self.stop_agreed = bool(self._unroll.stop.grad.item() > 0)
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        max_norm = cfg.loss.max_grad_norm if cfg.loss.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.env_steps_trained += B * T * self.world  # the whole learner's: every rank trained a batch like this one
         # A batch whose loss or gradient is not finite would turn every weight into NaN: skip the update.
@@ -228,7 +228,7 @@ class Learner:
 
         with torch.no_grad():
             rhos = vt.log_rhos.exp()
-            rho_bar = cfg.clip_rho_threshold if cfg.clip_rho_threshold > 0 else float("inf")
+            rho_bar = cfg.loss.clip_rho_threshold if cfg.loss.clip_rho_threshold > 0 else float("inf")
             hist = torch.bincount(torch.bucketize(rhos.flatten(), self._rho_edges), minlength=len(RHO_BIN_EDGES))
             scalars = torch.stack([pg_loss.detach(), baseline_loss.detach(), entropy.detach(), grad_norm.float(),
                                    rhos.mean(), (rhos > rho_bar).float().mean(),

@@ -44,7 +44,7 @@ class Reporter:
         dt = max(1e-9, now - prev["t"])
         d_traj = cur["trajectories"] - prev["trajectories"]
         d_own = cur["own_trajectories"] - prev["own_trajectories"]  # ingest stage times are this rank's
-        d_trained = (cur["batches"] - prev["batches"]) * s.cfg.batch_size
+        d_trained = (cur["batches"] - prev["batches"]) * s.cfg.loss.batch_size
         rec = {
             "wall_s": round(s.wall_offset_s + now - s.t0, 3),
             "env_steps": ing.env_steps,
@@ -128,7 +128,7 @@ class Reporter:
                                            "messages_received", "messages_rejected", "bytes_received",
                                            "trajectories_dropped", "dropped_full", "dropped_stale",
                                            "dropped_incarnation", "ring_ready_batches", "ring_waiting_trajectories")})
-        rec["learner_ranks"] = s.cfg.learner_ranks
+        rec["learner_ranks"] = s.cfg.ranks.learner_ranks
         rec["ranks"] = per_rank
         ing.latency_s.reset()
         s.loop_lag_s.reset()

@@ -55,7 +55,7 @@ class PeriodicTasks:
             if trim_at is not None and now >= trim_at:
                 release_memory()
                 trim_at, trimmed_at = None, time.monotonic()
-            await asyncio.sleep(self.cfg.connection_check_interval_s)
+            await asyncio.sleep(self.cfg.network.connection_check_interval_s)
 
     # -------------------------------------------------------------------------------------------- supervision
     def _dump_state(self) -> None:
@@ -77,15 +77,15 @@ class PeriodicTasks:
             if self.actors is not None:
                 self.actors.check()
                 if self.actors.all_given_up():
-                    self.request_stop(f"every local actor failed {cfg.max_actor_restarts + 1} times; "
+                    self.request_stop(f"every local actor failed {cfg.actors.max_actor_restarts + 1} times; "
                                       f"see the actor errors above", EXIT_ACTORS_FAILED)
             now = time.monotonic()
             last = self.ingest.last_data_at
-            if last is None and now - self.t0 > cfg.actor_start_timeout_s:
-                self.request_stop(f"no trajectory arrived within actor_start_timeout_s={cfg.actor_start_timeout_s:g} s "
+            if last is None and now - self.t0 > cfg.run.actor_start_timeout_s:
+                self.request_stop(f"no trajectory arrived within actor_start_timeout_s={cfg.run.actor_start_timeout_s:g} s "
                                   f"of start: are actors running and pointed at {self.listen_endpoint}?", EXIT_NO_DATA)
-            elif last is not None and now - last > cfg.no_data_timeout_s:
-                self.request_stop(f"no trajectory arrived for no_data_timeout_s={cfg.no_data_timeout_s:g} s: "
+            elif last is not None and now - last > cfg.run.no_data_timeout_s:
+                self.request_stop(f"no trajectory arrived for no_data_timeout_s={cfg.run.no_data_timeout_s:g} s: "
                                   f"every actor is gone or stuck", EXIT_NO_DATA)
 
     async def _loop_lag_loop(self) -> None:
@@ -98,7 +98,7 @@ class PeriodicTasks:
     # ---------------------------------------------------------------------------------------------- reporting
     async def _report_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.cfg.report_interval_s)
+            await asyncio.sleep(self.cfg.observe.report_interval_s)
             self._report()
 
     def _report(self) -> None:

@@ -105,7 +105,7 @@ class LearnerCollector:
     def collect(self):
         s, ing, ring = self.s, self.s.ingest, self.s.ring
         yield InfoMetricFamily(P + "run", "this learner run", value={
-            "env": s.cfg.env, "incarnation": str(s.incarnation), "device": str(s.device)})
+            "env": s.cfg.env.env, "incarnation": str(s.incarnation), "device": str(s.device)})
         yield _counter("env_steps", "environment steps in accepted trajectories (continues across resumes)",
                        ing.env_steps)
         yield _counter("env_steps_trained", "environment steps in batches the learner consumed",
@@ -145,7 +145,7 @@ class LearnerCollector:
                      s.pacer.pace_s_per_trajectory)
         yield _gauge("pace_senders", "flow control: actors whose messages were accepted within the pace window",
                      s.pacer.senders)
-        yield _gauge("ring_slots", "batch slots in the ring buffer", s.cfg.ring_batches)
+        yield _gauge("ring_slots", "batch slots in the ring buffer", s.cfg.ring.ring_batches)
         yield _gauge("ring_bytes", "size of the ring buffer", ring.nbytes)
         yield _gauge("scratch_bytes", "size of the decode scratch area", ing.scratch_nbytes)
         pull, pub = s.pull_guard, s.publisher
@@ -207,7 +207,7 @@ def health(s, now: float | None = None) -> tuple[bool, str]:
     health_stale_s, and shutdown has not begun. Before the first trajectory both wait, and go round their loops
     while they do (at least every 0.1 s): that is healthy."""
     now = time.monotonic() if now is None else now
-    stale = s.cfg.health_stale_s
+    stale = s.cfg.observe.health_stale_s
     if s.stopping():
         return False, f"shutting down: {s.exit_reason or 'stop requested'}"
     if not s.trainer.alive():
@@ -230,20 +230,20 @@ def start(server) -> None:
     (the server's shutdown closes them, the HTTP server last)."""
     cfg = server.cfg
     server.receive_beat = time.monotonic()  # the receive loop starts right after the startup
-    if cfg.tensorboard:
+    if cfg.observe.tensorboard:
         from .tboard import TensorBoardWriter
-        server.tboard = TensorBoardWriter(server.logdir, flush_interval_s=cfg.tensorboard_flush_interval_s,
-                                          max_queue_records=cfg.max_tensorboard_queue_records)
-    if cfg.metrics_port:
+        server.tboard = TensorBoardWriter(server.logdir, flush_interval_s=cfg.observe.tensorboard_flush_interval_s,
+                                          max_queue_records=cfg.observe.max_tensorboard_queue_records)
+    if cfg.observe.metrics_port:
         try:
             server.http = serve(server)
         except OSError as e:
-            raise SystemExit(f"impala-async: cannot serve /metrics on {cfg.metrics_host}:{cfg.metrics_port} "
+            raise SystemExit(f"impala-async: cannot serve /metrics on {cfg.observe.metrics_host}:{cfg.observe.metrics_port} "
                              f"(--metrics-host, --metrics-port): {e}") from None
 
 
 def serve(server) -> httpd.HttpServer:
-    """Start the learner's HTTP server on cfg.metrics_host:metrics_port; OSError if it cannot bind."""
+    """Start the learner's HTTP server on cfg.observe.metrics_host:metrics_port; OSError if it cannot bind."""
     from prometheus_client import ProcessCollector
 
     registry = CollectorRegistry(auto_describe=False)
@@ -255,10 +255,10 @@ def serve(server) -> httpd.HttpServer:
         return httpd.text(200 if ok else 503, reason)
 
     cfg = server.cfg
-    http = httpd.HttpServer(cfg.metrics_host, cfg.metrics_port, {"/metrics": httpd.metrics_route(registry),
+    http = httpd.HttpServer(cfg.observe.metrics_host, cfg.observe.metrics_port, {"/metrics": httpd.metrics_route(registry),
                                                                  "/healthz": healthz},
-                            max_connections=cfg.max_metrics_connections,
-                            request_timeout_s=cfg.metrics_request_timeout_s,
-                            max_request_bytes=cfg.max_metrics_request_bytes, name="learner")
+                            max_connections=cfg.observe.max_metrics_connections,
+                            request_timeout_s=cfg.observe.metrics_request_timeout_s,
+                            max_request_bytes=cfg.observe.max_metrics_request_bytes, name="learner")
     http.start()
     return http

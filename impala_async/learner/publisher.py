@@ -21,7 +21,7 @@ import time
 
 import zmq
 
-from ..ops.config import LearnerConfig
+from ..config import LearnerConfig
 from .guard import ConnectionGuard, guard_source
 
 SNDHWM_MESSAGES = 2  # weights queued per subscriber (only the newest matter; actors CONFLATE)
@@ -36,21 +36,21 @@ class WeightsPublisher:
         self.sock = ctx.socket(zmq.XPUB)
         s = self.sock
         s.setsockopt(zmq.XPUB_MANUAL, 1)
-        s.setsockopt(zmq.MAXMSGSIZE, cfg.max_subscription_bytes)
+        s.setsockopt(zmq.MAXMSGSIZE, cfg.limits.max_subscription_bytes)
         s.setsockopt(zmq.SNDHWM, SNDHWM_MESSAGES)
         s.setsockopt(zmq.RCVHWM, RCVHWM_MESSAGES)
-        s.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.handshake_timeout_s * 1000))
-        if cfg.peer_timeout_s > 0:  # a peer gone without closing its connection stops counting against the limits
-            s.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.peer_timeout_s * 1000 / 3)))
-            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.peer_timeout_s * 1000))
+        s.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.network.handshake_timeout_s * 1000))
+        if cfg.network.peer_timeout_s > 0:  # a peer gone without closing its connection stops counting against the limits
+            s.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.network.peer_timeout_s * 1000 / 3)))
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.network.peer_timeout_s * 1000))
         s.setsockopt(zmq.LINGER, 0)
         if secure is not None:
             secure(s)
-        per_connection = max(64 << 10, (RCVHWM_MESSAGES + 2) * cfg.max_subscription_bytes)
-        self.guard = ConnectionGuard("weights", s, max_connections=cfg.max_connections,
+        per_connection = max(64 << 10, (RCVHWM_MESSAGES + 2) * cfg.limits.max_subscription_bytes)
+        self.guard = ConnectionGuard("weights", s, max_connections=cfg.limits.max_connections,
                                      max_unread_bytes=per_connection,
-                                     max_unread_bytes_total=per_connection * cfg.max_connections,
-                                     max_messages=cfg.max_subscriptions_per_connection)
+                                     max_unread_bytes_total=per_connection * cfg.limits.max_connections,
+                                     max_messages=cfg.limits.max_subscriptions_per_connection)
         self.latest: bytes | None = None
         self.sends = 0  # weights messages sent (each goes to every subscriber)
         self.resends = 0  # of which re-sends of the same weights (new subscribers, periodic)
@@ -58,7 +58,7 @@ class WeightsPublisher:
         self.ignored_subscriptions = 0  # to topics the learner never publishes
         self._join_pending = False
         self._last_resend = -float("inf")
-        self._next_periodic = time.monotonic() + cfg.republish_interval_s
+        self._next_periodic = time.monotonic() + cfg.network.republish_interval_s
 
     def bind(self, address: str) -> str:
         self.sock.bind(address)
@@ -73,7 +73,7 @@ class WeightsPublisher:
         self.latest = data
         self._send(data)
         self._join_pending = False
-        self._next_periodic = time.monotonic() + self.cfg.republish_interval_s
+        self._next_periodic = time.monotonic() + self.cfg.network.republish_interval_s
 
     def _send(self, data: bytes) -> None:
         try:
@@ -106,14 +106,14 @@ class WeightsPublisher:
     def resend_due(self, now: float) -> float:
         """Re-send if due (see the module docstring); returns the seconds until something may next be due."""
         if self.latest is None:
-            return self.cfg.republish_interval_s
-        if self._join_pending and now - self._last_resend >= self.cfg.min_resend_interval_s:
+            return self.cfg.network.republish_interval_s
+        if self._join_pending and now - self._last_resend >= self.cfg.network.min_resend_interval_s:
             self._resend(now)
         elif now >= self._next_periodic:
             self._resend(now)
         wait = self._next_periodic - now
         if self._join_pending:
-            wait = min(wait, self._last_resend + self.cfg.min_resend_interval_s - now)
+            wait = min(wait, self._last_resend + self.cfg.network.min_resend_interval_s - now)
         return max(0.001, wait)
 
     def _resend(self, now: float) -> None:
@@ -121,4 +121,4 @@ class WeightsPublisher:
         self.resends += 1
         self._last_resend = now
         self._join_pending = False
-        self._next_periodic = now + self.cfg.republish_interval_s
+        self._next_periodic = now + self.cfg.network.republish_interval_s

@@ -38,6 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from ..actors.procs import die_with_parent
+from ..core.address import port_offset
 from .rankwatch import RankWatch
 
 log = logging.getLogger("impala_async.learner.ranks")
@@ -65,16 +66,9 @@ def rank_address(listen: str, rank: int) -> str:
     rank gets its own); ipc://PATH becomes ipc://PATH.rank<r>."""
     if rank == 0:
         return listen
-    if listen.startswith("tcp://"):
-        host, _, port = listen[len("tcp://"):].rpartition(":")
-        if port == "*":
-            return listen
-        if not port.isdigit() or int(port) + 1 + rank > 65535:
-            raise ValueError(f"cannot derive rank {rank}'s trajectory address from --listen {listen!r}")
-        return f"tcp://{host}:{int(port) + 1 + rank}"
     if listen.startswith("ipc://"):
         return f"{listen}.rank{rank}"
-    raise ValueError(f"cannot derive rank {rank}'s trajectory address from --listen {listen!r}")
+    return port_offset(listen, 1 + rank, f"rank {rank}'s trajectory address from --listen")
 
 
 def _log_format(rank: int) -> None:
@@ -97,52 +91,63 @@ def _connect(rank: int, world: int, timeout_s: float):
     return raw, _prefix(raw)
 
 
-def join_worker(cfg):
-    """Rank r > 0: join rank 0's store and take its configuration. None in any other process."""
+def torchrun_world(learner_ranks: int) -> int | None:
+    """Under torchrun: WORLD_SIZE (the number of ranks; SystemExit if --learner-ranks says otherwise). Else None."""
+    got = launched()
+    if got is None:
+        return None
+    world = got[1]
+    if learner_ranks not in (1, world):
+        raise SystemExit(f"impala-async: --learner-ranks {learner_ranks} but WORLD_SIZE={world} (torchrun gives the "
+                         f"number of ranks: leave --learner-ranks out)")
+    return world
+
+
+def join_worker(rank_start_timeout_s: float):
+    """Rank r > 0: join rank 0's store and take what rank 0 shared (``group.shared``: its resolved configuration and
+    their layers, the trajectory spec, the learner's incarnation). None in any other process."""
     got = launched()
     if got is None or got[0] == 0:
         return None
-    from ..ops.config import LearnerConfig
     rank, world, local = got
     die_with_parent(int(os.environ.get(PARENT_ENV, "0") or 0))  # a rank started by rank 0 ends with it
     _log_format(rank)
     try:
-        raw, store = _connect(rank, world, cfg.rank_start_timeout_s)
-        values = json.loads(store.get("config"))  # waits for rank 0 (up to rank_start_timeout_s)
+        raw, store = _connect(rank, world, rank_start_timeout_s)
+        shared = json.loads(store.get("config"))  # waits for rank 0 (up to rank_start_timeout_s)
     except Exception as e:
         raise SystemExit(f"impala-async: learner rank {rank}: no configuration from rank 0 at "
                          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}: {e}") from None
     group = RankGroup(rank, world, local, raw, store)
-    group.cfg = LearnerConfig(**values.pop("config"))
-    group.incarnation = values["incarnation"]
+    group.shared = shared
+    group.incarnation = shared["incarnation"]
     return group
 
 
-def join_lead(cfg, resumed: dict | None, argv: list[str]):
+def join_lead(cfg, shared: dict, resumed: dict | None, argv: list[str]):
     """Rank 0: under torchrun join its rendezvous; with --learner-ranks N > 1 host one and start ranks 1..N-1 (the same
-    command line). Shares the configuration. None for a learner of one rank."""
+    command line). Shares ``shared`` (the resolved configuration, its layers, the spec) and the learner's incarnation.
+    None for a learner of one rank."""
     got = launched()
     children: list[subprocess.Popen] = []
     listener = None
-    if got is not None:
-        rank, world, local = got
-        if cfg.learner_ranks not in (1, world):
-            raise SystemExit(f"impala-async: --learner-ranks {cfg.learner_ranks} but WORLD_SIZE={world} (torchrun "
-                             f"gives the number of ranks: leave --learner-ranks out)")
-        if world == 1:
-            return None
-        cfg.learner_ranks = world
+    world = cfg.ranks.learner_ranks
+    if world == 1:
+        return None
+    if got is not None:  # torchrun (torchrun_world made learner_ranks its WORLD_SIZE)
+        local = got[2]
         _log_format(0)
-        raw, store = _connect(0, world, cfg.rank_start_timeout_s)
-    elif cfg.learner_ranks > 1:
+        raw, store = _connect(0, world, cfg.ranks.rank_start_timeout_s)
+    else:
         from torch.distributed import TCPStore
-        world, local = cfg.learner_ranks, 0
+        local = 0
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))  # loopback only: nothing outside this machine reaches the store
         listener.listen(4 * world)
         port = listener.getsockname()[1]
-        raw = TCPStore("127.0.0.1", port, world, is_master=True, timeout=timedelta(seconds=cfg.rank_start_timeout_s),
-                       wait_for_workers=False, master_listen_fd=listener.fileno())
+        raw = TCPStore("127.0.0.1", port, world, is_master=True,
+                       timeout=timedelta(seconds=cfg.ranks.rank_start_timeout_s), wait_for_workers=False,
+                       master_listen_fd=listener.fileno())
         store = _prefix(raw)
         env = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{PARENT_ENV: str(os.getpid())})
@@ -155,14 +160,12 @@ def join_lead(cfg, resumed: dict | None, argv: list[str]):
                                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                                              start_new_session=True))
             log.info("learner rank %d: pid %d", r, children[-1].pid)
-    else:
-        return None
     group = RankGroup(0, world, local, raw, store, children)
     group.listener = listener
     group.cfg, group.resumed = cfg, resumed
     from ..core import wire
     group.incarnation = wire.new_incarnation()  # one for the whole learner: trajectories carry it to any rank
-    store.set("config", json.dumps({"config": dataclasses.asdict(cfg), "incarnation": group.incarnation}))
+    store.set("config", json.dumps({**shared, "incarnation": group.incarnation}))
     return group
 
 
@@ -173,6 +176,7 @@ class RankGroup:
         self.children: list[subprocess.Popen] = list(children)
         self.listener = None
         self.cfg = None
+        self.shared: dict = {}
         self.resumed: dict | None = None
         self.incarnation = 0
         self.watcher: RankWatch | None = None
@@ -194,17 +198,16 @@ class RankGroup:
             os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
         self.store.set(f"ready/{self.rank}", str(os.getpid()))
         if self.rank == 0:
-            self._wait_for([f"ready/{r}" for r in range(self.world)], cfg.rank_start_timeout_s, "to start")
+            self._wait_for([f"ready/{r}" for r in range(self.world)], cfg.ranks.rank_start_timeout_s, "to start")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore("pg", self.store),
                                 rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=cfg.rank_collective_timeout_s))
+                                timeout=timedelta(seconds=cfg.ranks.rank_collective_timeout_s))
         box = [self.resumed]
         dist.broadcast_object_list(box, src=0)
         resumed = box[0]
         if resumed is not None and self.rank:  # rank 0 alone keeps the run's counters (the metrics sum the rest)
             resumed = {**resumed, "env_steps": 0, "episodes": 0, "returns": [], "lengths": []}
         self.resumed = resumed
-        cfg.listen = rank_address(cfg.listen, self.rank)
         self.device = device
         log.info("learner rank %d of %d: %s on %s", self.rank, self.world, dist.get_backend(), device)
         return device
@@ -231,7 +234,7 @@ class RankGroup:
         if self.rank:
             return None
         keys = [f"address/{r}" for r in range(self.world)]
-        self._wait_for(keys, self.cfg.rank_start_timeout_s, "their trajectory sockets")
+        self._wait_for(keys, self.cfg.ranks.rank_start_timeout_s, "their trajectory sockets")
         return [self.store.get(k).decode() for k in keys]
 
     def share_local_actor_key(self, keys):
@@ -261,8 +264,8 @@ class RankGroup:
         """Stop the training thread. A normal stop ends every rank after the same update: rank 0 flags its next update
         (the flag travels in that update's all-reduce, learn.py) and every rank stops after it; any other stop (exit
         code not 0: a failure, no data) stops at once. True if the thread ended."""
-        trainer, timeout_s = server.trainer, server.cfg.shutdown_timeout_s / 2
-        if server.exit_code == 0 and trainer.alive() and not server.cfg.ingest_only:
+        trainer, timeout_s = server.trainer, server.cfg.run.shutdown_timeout_s / 2
+        if server.exit_code == 0 and trainer.alive() and not server.cfg.run.ingest_only:
             if self.rank == 0:
                 server.learner.stop_requested = True
             if trainer.join(timeout_s):
@@ -277,9 +280,9 @@ class RankGroup:
         if self.watcher is not None:
             self.watcher.halt()
         whole = not server.trainer.alive() and not server.learner.applying
-        if self.cfg.rank_state_dump and whole:
+        if self.cfg.ranks.rank_state_dump and whole:
             self._dump(server)
-        deadline = time.monotonic() + server.cfg.shutdown_timeout_s / 2
+        deadline = time.monotonic() + server.cfg.run.shutdown_timeout_s / 2
         for r, child in enumerate(self.children, start=1):
             try:
                 child.wait(max(0.0, deadline - time.monotonic()))

@@ -72,7 +72,7 @@ class RankWatch:
     def halt(self) -> None:
         self._halt.set()
         self._wake.set()
-        self._thread.join(2 * self.cfg.rank_heartbeat_interval_s + 1.0)
+        self._thread.join(2 * self.cfg.ranks.rank_heartbeat_interval_s + 1.0)
 
     def announce(self, reason: str, code: int) -> None:
         """This rank stops: the thread writes it as the stop key at once."""
@@ -82,7 +82,7 @@ class RankWatch:
 
     def alive(self, rank: int) -> bool:
         heard = self._heard.get(rank)
-        return heard is not None and time.monotonic() - heard[1] <= self.cfg.rank_heartbeat_timeout_s
+        return heard is not None and time.monotonic() - heard[1] <= self.cfg.ranks.rank_heartbeat_timeout_s
 
     def _stop(self, reason: str, code: int) -> None:
         if self.diagnosis is None:
@@ -126,12 +126,12 @@ class RankWatch:
                     if self._heard.get(r, (None,))[0] != beats[r]["seq"]:
                         self._heard[r] = (beats[r]["seq"], now)
                 last = self._heard.get(r, (None, started))[1]
-                if now - last > cfg.rank_heartbeat_timeout_s:
+                if now - last > cfg.ranks.rank_heartbeat_timeout_s:
                     self._stop(f"learner rank {r} silent for {now - last:.1f} s (rank_heartbeat_timeout_s="
-                               f"{cfg.rank_heartbeat_timeout_s:g}): dead or hung", EXIT_RANK_FAILED)
+                               f"{cfg.ranks.rank_heartbeat_timeout_s:g}): dead or hung", EXIT_RANK_FAILED)
                     if r <= len(group.children) and group.children[r - 1].poll() is None:
                         group.children[r - 1].kill()  # hung: it has nothing to save, and its peers wait for it
-            self._wake.wait(cfg.rank_heartbeat_interval_s)
+            self._wake.wait(cfg.ranks.rank_heartbeat_interval_s)
             self._wake.clear()
 
     def explain(self, error: BaseException) -> tuple[str, int]:
@@ -141,9 +141,9 @@ class RankWatch:
         if not isinstance(error, CollectiveError):
             return f"training failed: {error!r}", 1
         self._wake.set()
-        self._found.wait(3 * self.cfg.rank_heartbeat_interval_s)
+        self._found.wait(3 * self.cfg.ranks.rank_heartbeat_interval_s)
         if self.diagnosis is not None:
             return self.diagnosis
         return (f"the learner ranks' gradient all-reduce failed (a rank left, or waited more than "
-                f"rank_collective_timeout_s={self.cfg.rank_collective_timeout_s:g} s for another's batch): "
+                f"rank_collective_timeout_s={self.cfg.ranks.rank_collective_timeout_s:g} s for another's batch): "
                 f"{str(error)[:200]}", EXIT_RANK_FAILED)

@@ -22,12 +22,12 @@ import numpy as np
 import zmq
 
 from ..actors.procs import ActorProcesses
+from ..config import LearnerConfig
 from ..core import wire
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
-from ..ops.config import LearnerConfig
 from . import checkpoint, curriculum, prom
-from .guard import ConnectionGuard, fit_descriptor_limit, guard_source
+from .guard import ConnectionGuard, guard_source
 from .ingest import Histogram, Ingest
 from .learn import Learner
 from .metrics import MetricsWriter, Progress, Reporter
@@ -50,10 +50,11 @@ EXIT_ERROR, EXIT_NO_CHECKPOINT = 1, 5  # 3 and 4: periodic.py
 class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
     def __init__(self, cfg: LearnerConfig, learner: Learner, spec: TrajectorySpec, run_info: dict, logdir: Path,
                  *, start_monotonic: float, actors: ActorProcesses | None = None, resumed: dict | None = None,
-                 keys=None, ranks: RankGroup | None = None):
+                 keys=None, ranks: RankGroup | None = None, config_layers: dict | None = None):
         """``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP authentication. ``ranks``: this
         learner is one rank of several (ranks.py); only rank 0 (the lead) publishes, reports and checkpoints."""
         self.cfg, self.learner, self.spec, self.run_info = cfg, learner, spec, run_info
+        self.config_layers = config_layers or {}
         self.ranks = ranks
         self.lead = ranks is None or ranks.rank == 0
         self.keys = keys
@@ -61,10 +62,10 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
         self.device = learner.device
         self.actors = actors
         self.t0 = start_monotonic
-        self.ring = TrajectoryRing(spec, cfg.batch_size, cfg.ring_batches, pin_memory=self.device.type == "cuda",
-                                   drop_when_full=cfg.when_full == "drop_oldest")
-        self.trainer = Trainer(learner, self.ring, max_policy_lag=cfg.max_policy_lag, ingest_only=bool(cfg.ingest_only),
-                               overlap_copies=bool(cfg.overlap_copies), on_update=self._on_update,
+        self.ring = TrajectoryRing(spec, cfg.loss.batch_size, cfg.ring.ring_batches, pin_memory=self.device.type == "cuda",
+                                   drop_when_full=cfg.ring.when_full == "drop_oldest")
+        self.trainer = Trainer(learner, self.ring, max_policy_lag=cfg.ring.max_policy_lag, ingest_only=bool(cfg.run.ingest_only),
+                               overlap_copies=bool(cfg.run.overlap_copies), on_update=self._on_update,
                                after_update=self._after_update, on_exit=self._on_trainer_exit)
         # A learner run's incarnation: it travels with the weights, and trajectories acted with them carry it back,
         # so that messages acted under an earlier run's weights (after a restart) are told apart from forged ones.
@@ -81,10 +82,10 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
         self.curriculum = curriculum.from_config(cfg)
         self.difficulty: float | None = None  # the value sent with the latest weights
         # Flow control: the pace sent with the weights (pacing.py); told of arrivals by ingest, of batches here.
-        self.pacer = Pacer(cfg.pace_target_batches * cfg.batch_size if cfg.flow_control == "pace" else 0,
-                           cfg.pace_window_s, cfg.max_pace_s_per_trajectory,
-                           capacity_trajectories=cfg.ring_batches * cfg.batch_size,
-                           max_tracked_senders=cfg.max_tracked_actors, ranks=cfg.learner_ranks)
+        self.pacer = Pacer(cfg.ring.pace_target_batches * cfg.loss.batch_size if cfg.ring.flow_control == "pace" else 0,
+                           cfg.ring.pace_window_s, cfg.ring.max_pace_s_per_trajectory,
+                           capacity_trajectories=cfg.ring.ring_batches * cfg.loss.batch_size,
+                           max_tracked_senders=cfg.limits.max_tracked_actors, ranks=cfg.ranks.learner_ranks)
         self._waited_s = 0.0  # the training thread's wait for batches, at the last update
         self.ingest.pacer = self.pacer
         self.watch = CollapseWatch.from_config(cfg, spec.num_actions, fresh=not resumed)
@@ -126,29 +127,28 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
         cfg = self.cfg
         # Plain (synchronous) sockets: the event loop watches the PULL socket's file descriptor itself (see
         # _receive_loop) and only ever sends non-blocking on PUB; no pyzmq asyncio machinery shares those FDs.
-        self.fd_limit = fit_descriptor_limit(self.cfg, self.actors.count if self.actors is not None else 0)
         self.ctx = zmq.Context(1)
         secure = self._start_authentication()
         self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.RCVHWM, cfg.receive_hwm_messages)
-        if cfg.receive_buffer_bytes:
-            self.pull.setsockopt(zmq.RCVBUF, cfg.receive_buffer_bytes)
-        self.pull.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
-        self.pull.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.handshake_timeout_s * 1000))
-        if cfg.peer_timeout_s > 0:  # a peer gone without closing its connection stops counting against the limits
-            self.pull.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.peer_timeout_s * 1000 / 3)))
-            self.pull.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.peer_timeout_s * 1000))
+        self.pull.setsockopt(zmq.RCVHWM, cfg.network.receive_hwm_messages)
+        if cfg.network.receive_buffer_bytes:
+            self.pull.setsockopt(zmq.RCVBUF, cfg.network.receive_buffer_bytes)
+        self.pull.setsockopt(zmq.MAXMSGSIZE, cfg.limits.max_message_bytes)
+        self.pull.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.network.handshake_timeout_s * 1000))
+        if cfg.network.peer_timeout_s > 0:  # a peer gone without closing its connection stops counting against the limits
+            self.pull.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.network.peer_timeout_s * 1000 / 3)))
+            self.pull.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.network.peer_timeout_s * 1000))
         self.pull.setsockopt(zmq.LINGER, 0)
         if secure is not None:
             secure(self.pull)
-        self.pull_guard = ConnectionGuard("trajectories", self.pull, max_connections=cfg.max_connections,
-                                          max_unread_bytes=cfg.max_unread_bytes_per_connection,
-                                          max_unread_bytes_total=cfg.max_unread_bytes_total)
+        self.pull_guard = ConnectionGuard("trajectories", self.pull, max_connections=cfg.limits.max_connections,
+                                          max_unread_bytes=cfg.limits.max_unread_bytes_per_connection,
+                                          max_unread_bytes_total=cfg.limits.max_unread_bytes_total)
         self.publisher = WeightsPublisher(self.ctx, cfg, secure)
-        self.pull.bind(cfg.listen)
+        self.pull.bind(cfg.network.listen)
         self.listen_endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         # Only rank 0 publishes; another rank's publisher is bound where nobody can reach it.
-        self.publish_endpoint = self.publisher.bind(cfg.publish if self.lead else "inproc://unpublished-weights")
+        self.publish_endpoint = self.publisher.bind(cfg.network.publish if self.lead else "inproc://unpublished-weights")
         addresses = [self.listen_endpoint] if self.ranks is None else self.ranks.share_address(self.listen_endpoint)
         if self.lead:  # every rank's trajectory address, in rank order (docs/protocol.md, Transport)
             self.run_info["trajectory_addresses"] = addresses
@@ -158,7 +158,7 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
         if checkpoint.remove_partial(self.logdir):
             log.warning("removed a partial checkpoint left by an interrupted write in %s", self.logdir)
         if self.lead:  # what exists of these tells the shutdown what to do (hasattr(self, "metrics"))
-            self.checkpoints = checkpoint.CheckpointWriter(self.logdir, self.cfg.checkpoint_keep)
+            self.checkpoints = checkpoint.CheckpointWriter(self.logdir, self.cfg.checkpoints.checkpoint_keep)
             self.metrics = MetricsWriter(self.logdir / "metrics.jsonl")
             self.progress = Progress()
             weights = self._encode_weights()
@@ -173,7 +173,7 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
         prom.start(self)  # TensorBoard writer, /metrics and /healthz, if asked for
         log.info("learner: trajectories in on %s, weights out on %s, logdir %s, device %s%s",
                  self.listen_endpoint, self.publish_endpoint, self.logdir, self.device,
-                 ", ingest only" if self.cfg.ingest_only else "")
+                 ", ingest only" if self.cfg.run.ingest_only else "")
         print(f"impala-async learner listening: --learner {self.listen_endpoint} --weights {self.publish_endpoint}"
               + (f" (learner ranks: {' '.join(addresses)})" if len(addresses) > 1 else ""), flush=True)
         if self.actors is not None:
@@ -237,11 +237,11 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
     async def _shutdown(self) -> None:
         if not hasattr(self, "ctx"):
             return
-        timer = self._loop.call_later(self.cfg.shutdown_timeout_s, self._force_exit, "shutdown timeout")
+        timer = self._loop.call_later(self.cfg.run.shutdown_timeout_s, self._force_exit, "shutdown timeout")
         try:
             # Intake is already stopped (the receive task is cancelled); mirror the startup from here.
             if self.ranks is None:
-                stopped = await self._loop.run_in_executor(None, self.trainer.stop, self.cfg.shutdown_timeout_s)
+                stopped = await self._loop.run_in_executor(None, self.trainer.stop, self.cfg.run.shutdown_timeout_s)
             else:  # every rank after the same update (ranks.py), which needs a batch on each: intake goes on till then
                 trained = asyncio.Event()
                 intake = asyncio.create_task(self._receive_loop(until=trained))
@@ -261,7 +261,7 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
                 self._report()
                 self.progress.close()
             if self.actors is not None:
-                await self._loop.run_in_executor(None, self.actors.stop, max(1.0, self.cfg.shutdown_timeout_s / 2))
+                await self._loop.run_in_executor(None, self.actors.stop, max(1.0, self.cfg.run.shutdown_timeout_s / 2))
             if self.ranks is not None:
                 await self._loop.run_in_executor(None, self.ranks.finish, self)
         finally:
@@ -278,7 +278,7 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
                 self.metrics.close()
                 self.checkpoints.close()
             if self.tboard is not None:
-                self.tboard.close(min(2.0, self.cfg.shutdown_timeout_s / 4))
+                self.tboard.close(min(2.0, self.cfg.run.shutdown_timeout_s / 4))
             if self.http is not None:  # last: /healthz answers 503 all through the shutdown
                 self.http.close()
             timer.cancel()
@@ -355,18 +355,18 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
 
     def _after_update(self) -> bool:
         now = time.monotonic()
-        if self.cfg.ingest_only:
+        if self.cfg.run.ingest_only:
             return False
-        if self.lead and now - self._last_publish >= self.cfg.publish_interval_s:
+        if self.lead and now - self._last_publish >= self.cfg.network.publish_interval_s:
             self._last_publish = now
             weights = self._encode_weights()
             if weights is not None:
                 self._loop.call_soon_threadsafe(self.publisher.publish, weights)
-        if self.lead and now - self._last_checkpoint >= self.cfg.checkpoint_interval_s:
+        if self.lead and now - self._last_checkpoint >= self.cfg.checkpoints.checkpoint_interval_s:
             self._last_checkpoint = now
             if self._try_checkpoint() is None:  # retried sooner than the next regular one; training goes on
-                self._last_checkpoint = now - self.cfg.checkpoint_interval_s + self.cfg.checkpoint_retry_interval_s
-        if self.learner.env_steps_trained >= self.cfg.total_env_steps:  # with ranks: all after the same update
+                self._last_checkpoint = now - self.cfg.checkpoints.checkpoint_interval_s + self.cfg.checkpoints.checkpoint_retry_interval_s
+        if self.learner.env_steps_trained >= self.cfg.run.total_env_steps:  # with ranks: all after the same update
             self._loop.call_soon_threadsafe(self.request_stop, "total_env_steps reached", 0)
             return True
         return self.learner.stop_agreed  # rank 0 flagged this update as every rank's last (ranks.py)

@@ -44,10 +44,10 @@ class CollapseWatch:
 
     @classmethod
     def from_config(cls, cfg, num_actions: int, fresh: bool) -> CollapseWatch:
-        return cls(entropy_fraction=cfg.collapse_entropy_fraction, window_updates=cfg.collapse_window_updates,
-                   rho_far_frac=cfg.collapse_rho_far_frac, warn_interval_s=cfg.collapse_warn_interval_s,
-                   knobs={"clip_rho_threshold": cfg.clip_rho_threshold, "entropy_cost": cfg.entropy_cost,
-                          "learning_rate": cfg.learning_rate},
+        return cls(entropy_fraction=cfg.observe.collapse_entropy_fraction, window_updates=cfg.observe.collapse_window_updates,
+                   rho_far_frac=cfg.observe.collapse_rho_far_frac, warn_interval_s=cfg.observe.collapse_warn_interval_s,
+                   knobs={"clip_rho_threshold": cfg.loss.clip_rho_threshold, "entropy_cost": cfg.loss.entropy_cost,
+                          "learning_rate": cfg.loss.learning_rate},
                    initial_entropy=math.log(num_actions) if fresh and num_actions > 1 else None)
 
     def feed(self, rec: dict) -> list[str]:

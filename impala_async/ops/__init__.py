@@ -1,2 +1,2 @@
-"""Configuration and keys: the learner's configuration with its checks, CurveZMQ keys and ZAP. Imports nothing
-else of the package."""
+"""Operations: CurveZMQ keys and ZAP (auth), the small HTTP server behind /metrics and /healthz (httpd), ZeroMQ
+connection liveness (zmtp). Imports only ``core`` of the package."""

@@ -1,0 +1,184 @@
+"""A learner's configuration in layers, lowest first, each value labelled with the layer that set it:
+
+1. ``default``: the built-in defaults (config/sections.py);
+2. ``preset:<family>``: the environment family's preset (config/presets.py);
+3. ``resumed``: the configuration of the checkpoint a ``--resume`` continues (but for the fields about this process,
+   ``metrics_port`` and ``metrics_host``, and ``publish`` where a new ``listen`` is given above);
+4. ``file:<path>``: ``--config FILE``, TOML or YAML (or a run's ``config.json``), with the flags' names;
+5. ``flag``: the flags typed on this command line;
+6. ``command`` (what the command itself fixes: ``learner`` starts no actors, ``--resume DIR`` writes to DIR) and
+   ``resolved`` (values left to resolution: addresses, logdir, input scale, per-message limits; config/resolve.py).
+
+The result is written to ``LOGDIR/config.json`` and printed at start as the differences from the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import presets
+from .actors import PER_INVOCATION
+from .learner import INDEX, LearnerConfig, from_flat
+
+DEFAULT, RESUMED, FLAG, COMMAND, RESOLVED = "default", "resumed", "flag", "command", "resolved"
+CONFIG_JSON = "config.json"
+# The layers of a run's config.json that ``--config`` takes again (the others follow from the defaults, the preset
+# and resolution), and the fields it never takes (a re-run must not write into the old run's directory).
+REPLAYED = ("preset", "resumed", "file", "flag")
+NOT_REPLAYED = ("logdir", *PER_INVOCATION)
+YAML_HINT = "pip install 'impala-async[yaml]'"
+
+
+@dataclass(frozen=True)
+class Layered:
+    cfg: LearnerConfig
+    layers: dict = field(default_factory=dict)  # flag name -> label of the layer that set it (absent: default)
+
+    def over(self, label: str, values: dict, where: str | None = None) -> Layered:
+        """These values (by flag name) on top, labelled ``label``; a file's values are checked as they are read."""
+        if not values:
+            return self
+        cfg = from_flat(values, where or label, base=self.cfg)
+        return Layered(cfg, {**self.layers, **dict.fromkeys(values, label)})
+
+    def layer(self, name: str) -> str:
+        return self.layers.get(name, DEFAULT)
+
+    def differences(self) -> list[tuple[str, str, object, str]]:
+        """(section, name, value, layer) of every value that differs from the built-in default."""
+        defaults, values = LearnerConfig().flat(), self.cfg.flat()
+        return [(INDEX[n][0], n, v, self.layer(n)) for n, v in values.items() if v != defaults[n]]
+
+    def describe(self) -> str:
+        rows = self.differences()
+        if not rows:
+            return "configuration: the built-in defaults"
+        width = max(len(f"{s}.{n} = {v!r}") for s, n, v, _ in rows)
+        lines = [f"  {f'{s}.{n} = {v!r}':<{width}}  ({layer})" for s, n, v, layer in rows]
+        return "configuration (values that differ from the defaults, and the layer that set each):\n" + "\n".join(lines)
+
+    def to_json(self, command: str) -> dict:
+        sections: dict[str, dict] = {}
+        for name, value in self.cfg.flat().items():
+            sections.setdefault(INDEX[name][0], {})[name] = value
+        return {"command": command, "config": sections,
+                "layers": {name: self.layer(name) for name in INDEX if self.layer(name) != DEFAULT}}
+
+    def write(self, directory: str | Path, command: str) -> Path:
+        """``directory/config.json``, written whole or not at all."""
+        path = Path(directory) / CONFIG_JSON
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{CONFIG_JSON}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_json(command), indent=1) + "\n")
+        os.replace(tmp, path)
+        return path
+
+
+def load(*, flags: dict, file: str = "", resumed: dict | None = None, resumed_layers: dict | None = None,
+         command: dict | None = None) -> Layered:
+    """The layers put together (module docstring); ValueError naming the file or field at fault. ``resumed``: a
+    checkpoint's configuration, ``resumed_layers`` the layers it was saved with (absent in older checkpoints)."""
+    from_file = read_file(file) if file else {}
+    resumed_values = _resumed(resumed or {}, resumed_layers or {}, {**from_file, **flags})
+    on_top = {**resumed_values, **from_file, **flags}
+    env_id = on_top.get("env", LearnerConfig().env.env)
+    family = presets.chosen(on_top.get("preset", LearnerConfig().run.preset), str(env_id))
+    layered = Layered(LearnerConfig())
+    if family is not None:
+        layered = layered.over(f"preset:{family}", presets.PRESETS[family])
+    layered = layered.over(RESUMED, resumed_values, "the checkpoint's configuration")
+    layered = layered.over(f"file:{file}", from_file, file)
+    layered = layered.over(FLAG, flags)
+    return layered.over(COMMAND, command or {})
+
+
+def _resumed(saved: dict, saved_layers: dict, above: dict) -> dict:
+    """What a resume takes from its checkpoint's configuration: every field it knows (a checkpoint of an older version
+    may lack some, or have some no longer known) but the process's own and those resolution filled (resolved again
+    here, on this machine: the number of local actors, the descriptor limit's connections); with a new ``listen``
+    from above and no ``publish``, the publish address is derived from the new listen, not kept from the old run."""
+    values = {k: v for k, v in saved.items() if k in INDEX and k not in PER_INVOCATION
+              and saved_layers.get(k) != RESOLVED}
+    if "listen" in above and "publish" not in above:
+        values.pop("publish", None)
+    return values
+
+
+def read_file(path: str) -> dict:
+    """A config file's values by flag name. TOML (.toml) or YAML (.yaml, .yml; JSON is YAML too, and a run's
+    config.json is read as such): a mapping of flag names (dashes or underscores) to values, at the top or in tables
+    named after sections (``[loss]``), whose names must then belong to that section."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror or e}") from None
+    if p.suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            import tomli as tomllib
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"--config {path}: not valid TOML: {e}") from None
+    elif p.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {path}: not valid JSON: {e}") from None
+    elif p.suffix in (".yaml", ".yml"):
+        data = _yaml(text, path)
+    else:
+        raise ValueError(f"--config {path}: a TOML (.toml), YAML (.yaml, .yml) or JSON (.json) file, please")
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: a mapping of flag names to values, got {type(data).__name__}")
+    if "config" in data and "layers" in data:  # a run's config.json
+        return _replayed(data, path)
+    return _flatten(data, path)
+
+
+def _yaml(text: str, path: str):
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError(f"--config {path}: reading YAML needs PyYAML, which is not installed: {YAML_HINT}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not valid YAML: {e}") from None
+
+
+def _flatten(data: dict, path: str) -> dict:
+    sections = {s for s, _ in INDEX.values()}
+    out: dict = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if isinstance(value, dict) and name in sections:
+            for inner, v in value.items():
+                n = str(inner).replace("-", "_")
+                if n in INDEX and INDEX[n][0] != name:
+                    raise ValueError(f"--config {path}: {n} belongs to section [{INDEX[n][0]}], not [{name}]")
+                _put(out, n, v, path)
+        else:
+            _put(out, name, value, path)
+    return out
+
+
+def _put(out: dict, name: str, value, path: str) -> None:
+    if name not in INDEX:
+        raise ValueError(f"--config {path}: no configuration field {name!r} (see impala-async train --help)")
+    if name in out:
+        raise ValueError(f"--config {path}: {name} given twice")
+    out[name] = value
+
+
+def _replayed(data: dict, path: str) -> dict:
+    """A run's config.json: the values that run chose (REPLAYED layers), but for NOT_REPLAYED."""
+    flat = _flatten(data["config"], path)
+    layers = data["layers"] if isinstance(data["layers"], dict) else {}
+    return {n: v for n, v in flat.items() if n not in NOT_REPLAYED
+            and str(layers.get(n, DEFAULT)).split(":")[0] in REPLAYED}

@@ -1,0 +1,89 @@
+"""Resolution: the one step that fills what a config leaves to the run (addresses, logdir, input scale, per-message
+and per-connection limits, the number of local actors), after which nothing changes it.
+
+It needs two facts about the environment, from one environment built as actors build it (:class:`Probe`), and one
+about the process, its file-descriptor limit (:func:`fit_connections`, per learner rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from ..core.address import port_offset
+from .layers import RESOLVED, Layered
+from .machine import usable_cpus
+from .sections import AUTO_SCRATCH_BYTES
+
+log = logging.getLogger("impala_async.config.resolve")
+FD_RESERVE = 256  # file descriptors kept free of connections: logs, checkpoints, actor pipes, libraries
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What resolution needs of the environment."""
+
+    image_max: float | None  # uint8 image observations: the observation space's highest value; None for vectors
+    trajectory_nbytes: int  # one trajectory in the ring (core/spec.py)
+
+
+def default_publish(listen: str) -> str:
+    """The weights address: tcp on the listen port + 1 (a wildcard port stays one), ipc PATH.weights."""
+    if listen.startswith("ipc://"):
+        return listen + ".weights"
+    return port_offset(listen, 1, "a publish address (give --publish)")
+
+
+def addresses(cfg, default_listen: str) -> tuple[str, str]:
+    """(listen, publish): as configured, or the command's default and the address derived from it."""
+    listen = cfg.network.listen or default_listen
+    return listen, cfg.network.publish or default_publish(listen)
+
+
+def resolve(layered: Layered, *, default_listen: str, probe: Probe, now: float | None = None) -> Layered:
+    """The finished configuration: each value left to resolution filled and labelled ``resolved``."""
+    cfg = layered.cfg
+    listen, publish = addresses(cfg, default_listen)
+    values = {
+        "listen": listen,
+        "publish": publish,
+        "logdir": cfg.run.logdir or f"runs/{cfg.env.env.replace('/', '_')}-"
+                                    f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}",
+        # uint8 images to [0, 1]: 1/255 for pixels, 1 for MinAtar's 0/1 planes
+        "input_scale": cfg.model.input_scale or 1.0 / max(1.0, probe.image_max or 255.0),
+        "max_trajectories_per_message": cfg.limits.max_trajectories_per_message
+        or min(256, max(1, AUTO_SCRATCH_BYTES // probe.trajectory_nbytes)),
+        "max_unread_bytes_per_connection": cfg.limits.max_unread_bytes_per_connection
+        or (cfg.network.receive_hwm_messages + 2) * cfg.limits.max_message_bytes,
+        "num_actors": cfg.actors.num_actors if cfg.actors.num_actors != -1 else max(1, usable_cpus() - 1),
+    }
+    flat = cfg.flat()
+    changed = {k: v for k, v in values.items() if v != flat[k]}
+    return layered.over(RESOLVED, changed)
+
+
+def fit_connections(layered: Layered, local_actors: int) -> Layered:
+    """Raise the soft file-descriptor limit to the hard one, and keep both sockets' connections within it with
+    FD_RESERVE to spare (lowering ``max_connections`` if need be): peers that open connections by the thousand must
+    not leave the learner unable to open a file (its checkpoint writer also keeps its descriptors open in advance).
+    Per process (each learner rank has its own limit)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the file-descriptor limit from %d to %d: %s", soft, want, e)
+    if soft == resource.RLIM_INFINITY:
+        return layered
+    fit = max(1, (soft - FD_RESERVE - local_actors) // 2)
+    current = layered.cfg.limits.max_connections
+    if current <= fit:
+        return layered
+    log.warning("max_connections lowered from %d to %d per socket to fit the file-descriptor limit of %d "
+                "(raise it with ulimit -n)", current, fit, soft)
+    return layered.over(RESOLVED, {"max_connections": fit})

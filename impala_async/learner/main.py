@@ -1,0 +1,199 @@
+"""A learner process, from its configuration's layers to an exit code.
+
+:func:`configure` puts the layers together (config/layers.py; with ``--resume`` the checkpoint's configuration is one of
+them) and checks them: refusals come before anything heavy is imported. :func:`run` builds one environment as actors
+build it (what resolution needs of it), resolves the configuration once (config/resolve.py), joins the other learner
+ranks, builds the network (restoring a checkpoint's state), writes ``LOGDIR/config.json`` and serves until the run
+ends. A learner rank > 0 takes rank 0's resolved configuration, spec and incarnation instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from ..config import Layered, LearnerConfig, from_flat, layers
+from ..config.resolve import Probe, addresses, fit_connections, resolve
+from . import ranks
+
+log = logging.getLogger("impala_async.learner.main")
+
+
+def configure(flags: dict, *, file: str = "", resume: str = "", command: dict | None = None,
+              load_checkpoint=None) -> tuple[Layered, dict | None]:
+    """(the configuration's layers, checked; the checkpoint state of a resume, or None). ValueError (a refusal, one
+    line) for a bad file or value; SystemExit when a resume finds no usable checkpoint. A learner rank > 0 gets its
+    own command line's layers, unchecked and without the resume: it takes rank 0's configuration in :func:`run`.
+    ``load_checkpoint(directory, max_bytes)`` finds a resume's (state, path)."""
+    layered, state = layers.load(flags=flags, file=file, command=command), None
+    if ranks.env_rank() > 0:  # rank 0's configuration comes later (run); these layers give the rank's start timeout
+        return layered, None
+    if resume:
+        found = load_checkpoint(resume, layered.cfg.checkpoints.max_checkpoint_bytes)
+        if found is None:
+            raise SystemExit(f"impala-async: no usable checkpoint in {resume} (see the warnings above)")
+        state, path = found
+        log.info("resuming from %s", path)
+        layered = layers.load(flags=flags, file=file, resumed=state["config"],
+                              resumed_layers=state.get("config_layers"), command={**(command or {}), "logdir": resume})
+    world = ranks.torchrun_world(layered.cfg.ranks.learner_ranks)
+    if world is not None and world != layered.cfg.ranks.learner_ranks:
+        layered = layered.over(layers.COMMAND, {"learner_ranks": world})
+    layered.cfg.check()
+    return layered, state
+
+
+def refuse(cfg: LearnerConfig, default_listen: str):
+    """The CURVE keys to serve with (None without CURVE); ValueError or OSError for what must not start: a bind beyond
+    loopback without CURVE, unsafe or missing keys, TensorBoard asked for and not installed."""
+    from ..ops import auth
+
+    if cfg.observe.tensorboard:
+        from . import tboard
+        if tboard.missing():
+            raise ValueError(tboard.missing())
+    listen, publish = addresses(cfg, default_listen)
+    auth.refuse_insecure(listen, publish, bool(cfg.network.curve_keys), bool(cfg.network.insecure))
+    return auth.load_learner_keys(cfg.network.curve_keys) if cfg.network.curve_keys else None
+
+
+def probe_environment(cfg: LearnerConfig):
+    """(trajectory spec, Probe, env backend chosen) from one environment built as the actors build it."""
+    import gymnasium as gym
+    import numpy as np
+
+    from ..actors.vec import make_vec
+    from ..core import codecs
+    from ..core.spec import TrajectorySpec
+
+    env_cfg = cfg.env
+    try:
+        env = make_vec(env_cfg.env, env_cfg.env_kwargs_dict, 1, env_cfg.env_backend)
+    except (TypeError, ValueError) as e:  # an argument the environment (or EnvPool) does not take
+        raise SystemExit(f"impala-async: --env {env_cfg.env} --env-kwargs {env_cfg.env_kwargs}: {e}") from None
+    except gym.error.DependencyNotInstalled as e:
+        raise SystemExit(f"impala-async: {e}") from None
+    try:
+        spec = TrajectorySpec.from_spaces(
+            env.single_observation_space, env.single_action_space, env_cfg.unroll_length,
+            frame_stack=env.frame_stack if env_cfg.frame_dedup else 0,
+            core_state_size=cfg.model.lstm_size if cfg.model.use_lstm else 0)
+        image_max = float(np.max(env.single_observation_space.high)) if spec.obs_dtype == "uint8" else None
+        backend = env.backend
+    finally:
+        env.close()
+    if env_cfg.obs_codec == codecs.CODEC_JPEG and codecs.refusal(spec.fields[0], image_max or 255.0):
+        raise SystemExit(f"impala-async: --env {env_cfg.env}: {codecs.refusal(spec.fields[0], image_max or 255.0)}")
+    return spec, Probe(image_max=image_max, trajectory_nbytes=spec.trajectory_nbytes), backend
+
+
+def resolve_device(name: str, flag: str = "--device"):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"impala-async: {flag} {name} asked for, but torch sees no CUDA device")
+    return device
+
+
+def run(layered: Layered, resumed: dict | None, *, command: str, default_listen: str, argv=(),
+        start_monotonic: float = 0.0) -> int:
+    """Serve one learner process until the run ends; its exit code (README, Exit codes)."""
+    from ..core.spec import TrajectorySpec
+
+    group = ranks.join_worker(layered.cfg.ranks.rank_start_timeout_s)
+    if group is not None:  # a learner rank > 0: rank 0's resolved configuration, with this rank's own address
+        shared = group.shared
+        cfg = from_flat(shared["config"], "rank 0's configuration")
+        layered = Layered(cfg, shared["layers"]).over(layers.RESOLVED, {
+            "listen": ranks.rank_address(cfg.network.listen, group.rank)})
+        spec, env_backend = TrajectorySpec.from_dict(shared["spec"]), shared["env_backend"]
+    try:  # before the heavy imports: a refusal to start is immediate
+        keys = refuse(layered.cfg, default_listen)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"impala-async: {e}") from None
+    import numpy as np
+    import torch
+
+    cfg = layered.cfg
+    device = resolve_device(cfg.run.device)
+    torch.manual_seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the actors need the other cores more than a small network needs threads
+    if group is None:
+        spec, probe, env_backend = probe_environment(cfg)
+        layered = resolve(layered, default_listen=default_listen, probe=probe)
+        cfg = layered.cfg
+        if cfg.local_actors > 0 and cfg.actors.device != "cpu":
+            resolve_device(cfg.actors.device, "--actor-device")  # no CUDA device: refused before any actor starts
+        group = ranks.join_lead(cfg, {"config": cfg.flat(), "layers": layered.layers, "spec": spec.to_dict(),
+                                      "env_backend": env_backend}, resumed, list(argv))
+    layered = fit_connections(layered, cfg.local_actors if group is None or group.rank == 0 else 0)
+    cfg = layered.cfg
+    if group is not None:
+        group.cfg = cfg
+    if group is None or group.rank == 0:
+        log.info("%s", layered.describe())
+        layered.write(cfg.run.logdir, command)
+    return _serve(layered, spec, env_backend, device, keys, resumed, group, start_monotonic)
+
+
+def _serve(layered: Layered, spec, env_backend: str, device, keys, resumed: dict | None, group,
+           start_monotonic: float) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    import uvloop
+
+    from ..actors.procs import ActorProcesses, actor_argv
+    from ..core import wire
+    from ..core.spec import TrajectorySpec
+    from ..ops import auth
+    from .learn import Learner
+    from .server import LearnerServer
+
+    cfg = layered.cfg
+    if group is not None:  # the process group; rank 0's checkpoint state, on every rank
+        device, resumed = group.start(device), group.resumed
+    try:
+        learner = Learner(cfg, spec, device)
+    except ValueError as e:  # a network this observation space cannot take (an LSTM on vectors, images too small)
+        raise SystemExit(f"impala-async: {e}") from None
+    if resumed is not None:
+        if dataclasses.replace(TrajectorySpec.from_dict(resumed["spec"]), frame_stack=0) != \
+                dataclasses.replace(spec, frame_stack=0):  # how frames travel may change; the network may not
+            raise SystemExit(f"impala-async: the checkpoint's trajectory spec {resumed['spec']} differs from this "
+                             f"run's {spec.to_dict()}: resume with the same --env and --unroll-length")
+        learner.load_state_dict(resumed["learner"])
+        log.info("resumed at %d env steps, policy version %d", learner.env_steps_trained, resumed["policy_version"])
+    if group is not None:
+        group.distribute(learner)  # gradients averaged over the ranks
+    run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": cfg.env.env, "env_kwargs": cfg.env.env_kwargs_dict,
+                "spec": spec.to_dict(), "model": learner.model_config.to_dict(),
+                "max_trajectories_per_message": cfg.limits.max_trajectories_per_message,
+                "max_message_bytes": cfg.limits.max_message_bytes, "obs_codec": cfg.env.obs_codec,
+                "jpeg_quality": cfg.env.jpeg_quality, "env_backend": env_backend}
+    server: LearnerServer | None = None
+    actors = None
+    lead = group is None or group.rank == 0
+    if group is not None and group.rank and keys is not None and cfg.local_actors > 0:
+        keys = group.share_local_actor_key(keys)  # rank 0 made train's local actors a key: admit it too
+    if cfg.local_actors > 0 and lead:
+        local_dir = ""
+        if keys is not None:  # local actors get a key pair of their own, admitted for this run only
+            local_dir, keys = auth.local_actor_keys(keys, Path(cfg.run.logdir) / ".local-actor-keys")
+            keys = keys if group is None else group.share_local_actor_key(keys)
+        options = cfg.actors.options()
+        actors = ActorProcesses.with_options(
+            lambda i, fd: actor_argv(server.listen_endpoint, server.publish_endpoint, i, fd, seed=cfg.run.seed,
+                                     options=options, curve_keys=str(local_dir) if local_dir else ""),
+            cfg.local_actors, options)
+    server = LearnerServer(cfg, learner, spec, run_info, cfg.run.logdir, start_monotonic=start_monotonic,
+                           actors=actors, keys=keys, resumed=resumed, ranks=group, config_layers=layered.layers)
+    code = uvloop.run(server.serve())
+    if code and server.lead:
+        print(f"impala-async: stopped: {server.exit_reason}", file=sys.stderr)
+    return code if group is None else group.exit(code)
