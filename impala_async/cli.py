@@ -1,11 +1,11 @@
 """``impala-async``: train | learner | actor.
 
-    impala-async train --env CartPole-v1                      learner + local actors, one command
-    impala-async learner --listen tcp://0.0.0.0:5555          learner only; prints the addresses actors attach to
-    impala-async actor --learner tcp://HOST:5555              actors on another machine
-    impala-async keygen DIR [--name learner|actor]            CurveZMQ key pair for authenticated actors
-    impala-async eval --checkpoint RUN_DIR [--video DIR]      play a checkpoint's policy, report its returns
-    impala-async healthcheck                                  exit 0 if /healthz answers 200 (Docker HEALTHCHECK)
+impala-async train --env CartPole-v1                      learner + local actors, one command
+impala-async learner --listen tcp://0.0.0.0:5555          learner only; prints the addresses actors attach to
+impala-async actor --learner tcp://HOST:5555              actors on another machine
+impala-async keygen DIR [--name learner|actor]            CurveZMQ key pair for authenticated actors
+impala-async eval --checkpoint RUN_DIR [--video DIR]      play a checkpoint's policy, report its returns
+impala-async healthcheck                                  exit 0 if /healthz answers 200 (Docker HEALTHCHECK)
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def learner_sections():
     from .config.learner import section_classes
 
     return section_classes()
+
+
 # train and learner: --listen defaults (a free loopback port for train, the documented 5555 for learner), and what
 # each command fixes whatever the flags say
 COMMANDS = {"train": ("tcp://127.0.0.1:*", {}), "learner": ("tcp://127.0.0.1:5555", {"num_actors": 0})}
@@ -56,12 +58,18 @@ def load_learner_config(args):
     flags = {k: v for k, v in vars(args).items() if k in INDEX}  # exactly the flags typed (their default: SUPPRESS)
 
     def load_checkpoint(directory: str, max_bytes: int):
-        return checkpoint.load_latest(directory, max_bytes=max_bytes, validate=checkpoint.validate_learner_state,
-                                      quarantine=True)
+        return checkpoint.load_latest(
+            directory, max_bytes=max_bytes, validate=checkpoint.validate_learner_state, quarantine=True
+        )
 
     try:
-        return learner_main.configure(flags, file=args.config, resume=args.resume, command=COMMANDS[args.command][1],
-                                      load_checkpoint=load_checkpoint)
+        return learner_main.configure(
+            flags,
+            file=args.config,
+            resume=args.resume,
+            command=COMMANDS[args.command][1],
+            load_checkpoint=load_checkpoint,
+        )
     except ValueError as e:
         raise SystemExit(f"impala-async: {e}") from None
 
@@ -70,22 +78,36 @@ def cmd_learner(args) -> int:
     from .learner import main as learner_main
 
     layered, resumed = load_learner_config(args)
-    return learner_main.run(layered, resumed, command=args.command, default_listen=COMMANDS[args.command][0],
-                            argv=args.argv, start_monotonic=START_MONOTONIC)
+    return learner_main.run(
+        layered,
+        resumed,
+        command=args.command,
+        default_listen=COMMANDS[args.command][0],
+        argv=args.argv,
+        start_monotonic=START_MONOTONIC,
+    )
 
 
 def _section(cls, args, learner: bool = False):
     """A section from the defaults and the flags typed (a refusal, one line, if a value is wrong)."""
-    values = {f.name: getattr(args, config_fields.flag_of(f, learner)) for f in config_fields.fields_of(cls)
-              if hasattr(args, config_fields.flag_of(f, learner))}
+    values = {
+        f.name: getattr(args, config_fields.flag_of(f, learner))
+        for f in config_fields.fields_of(cls)
+        if hasattr(args, config_fields.flag_of(f, learner))
+    }
     return cls(**values)
 
 
 def cmd_actor(args) -> int:
     from .actors import main as actor_main
 
-    return actor_main.run(_section(ActorTarget, args), _section(ActorOptions, args), _section(MetricsHttp, args),
-                          parent_pid=args.parent_pid, heartbeat_fd=args.heartbeat_fd)
+    return actor_main.run(
+        _section(ActorTarget, args),
+        _section(ActorOptions, args),
+        _section(MetricsHttp, args),
+        parent_pid=args.parent_pid,
+        heartbeat_fd=args.heartbeat_fd,
+    )
 
 
 def cmd_keygen(args) -> int:
@@ -104,8 +126,11 @@ def cmd_healthcheck(args) -> int:
     from .ops import httpd
 
     if not 1 <= args.metrics_port <= 65535:
-        print(f"impala-async healthcheck: no metrics port (got {args.metrics_port}): give --metrics-port or set "
-              f"IMPALA_ASYNC_METRICS_PORT", file=sys.stderr)
+        print(
+            f"impala-async healthcheck: no metrics port (got {args.metrics_port}): give --metrics-port or set "
+            f"IMPALA_ASYNC_METRICS_PORT",
+            file=sys.stderr,
+        )
         return 1
     try:
         status, body = httpd.probe(args.metrics_host, args.metrics_port, args.path, args.timeout_s)
@@ -118,19 +143,34 @@ def cmd_healthcheck(args) -> int:
 
 def _add_metrics_flags(p: argparse.ArgumentParser) -> None:
     """--metrics-port and --metrics-host, defaulting to the environment as the learner's do (config/machine.py)."""
-    p.add_argument("--metrics-port", type=int, default=env_metrics_port(), help=(
-        "serve /healthz and /metrics on this TCP port (0: off; default: $IMPALA_ASYNC_METRICS_PORT, else 0)"))
-    p.add_argument("--metrics-host", default=env_metrics_host(), help=(
-        "address of the metrics port (default: $IMPALA_ASYNC_METRICS_HOST, else 127.0.0.1)"))
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=env_metrics_port(),
+        help=("serve /healthz and /metrics on this TCP port (0: off; default: $IMPALA_ASYNC_METRICS_PORT, else 0)"),
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=env_metrics_host(),
+        help=("address of the metrics port (default: $IMPALA_ASYNC_METRICS_HOST, else 127.0.0.1)"),
+    )
 
 
 def cmd_eval(args) -> int:
     from .learner import evaluate
 
     opts = evaluate.EvalOptions(
-        checkpoint=args.checkpoint, episodes=args.episodes, greedy=args.greedy, seed=args.seed,
-        max_episode_steps=args.max_episode_steps, video=args.video, video_episodes=args.video_episodes,
-        video_max_frames=args.video_max_frames, fps=args.fps, max_checkpoint_bytes=args.max_checkpoint_bytes)
+        checkpoint=args.checkpoint,
+        episodes=args.episodes,
+        greedy=args.greedy,
+        seed=args.seed,
+        max_episode_steps=args.max_episode_steps,
+        video=args.video,
+        video_episodes=args.video_episodes,
+        video_max_frames=args.video_max_frames,
+        fps=args.fps,
+        max_checkpoint_bytes=args.max_checkpoint_bytes,
+    )
     try:
         return evaluate.main(opts, as_json=args.json)
     except evaluate.EvalError as e:
@@ -138,69 +178,142 @@ def cmd_eval(args) -> int:
 
 
 def _add_eval(sub) -> None:
-    ev = sub.add_parser("eval", help="play a checkpoint's policy and report its returns", description=(
-        "Load a learner checkpoint, play --episodes episodes in the run's environment (built as actors build it) "
-        "and print the mean and standard deviation of the return and the episode length; --video DIR films them."))
-    ev.add_argument("--checkpoint", required=True, metavar="PATH",
-                    help="a checkpoint file, or a run directory (its newest good checkpoint)")
+    ev = sub.add_parser(
+        "eval",
+        help="play a checkpoint's policy and report its returns",
+        description=(
+            "Load a learner checkpoint, play --episodes episodes in the run's environment (built as actors build it) "
+            "and print the mean and standard deviation of the return and the episode length; --video DIR films them."
+        ),
+    )
+    ev.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="PATH",
+        help="a checkpoint file, or a run directory (its newest good checkpoint)",
+    )
     ev.add_argument("--episodes", type=int, default=10, help="episodes to play (default: 10)")
     ev.add_argument("--greedy", action="store_true", help="take the most likely action instead of sampling")
     ev.add_argument("--seed", type=int, default=0, help="seeds the first reset and the sampling (default: 0)")
-    ev.add_argument("--max-episode-steps", type=int, default=100_000,
-                    help="cut an episode after this many steps, reported as cut (default: 100000)")
+    ev.add_argument(
+        "--max-episode-steps",
+        type=int,
+        default=100_000,
+        help="cut an episode after this many steps, reported as cut (default: 100000)",
+    )
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
-    ev.add_argument("--video", default="", metavar="DIR", help=(
-        "write a video per episode into DIR: MP4, or GIF without ffmpeg (pip install 'impala-async[video]')"))
-    ev.add_argument("--video-episodes", type=int, default=0, metavar="K",
-                    help="film only the first K episodes (default: 0, every one)")
-    ev.add_argument("--video-max-frames", type=int, default=10_000,
-                    help="frames per video at most; a GIF holds them in memory (default: 10000)")
+    ev.add_argument(
+        "--video",
+        default="",
+        metavar="DIR",
+        help=("write a video per episode into DIR: MP4, or GIF without ffmpeg (pip install 'impala-async[video]')"),
+    )
+    ev.add_argument(
+        "--video-episodes",
+        type=int,
+        default=0,
+        metavar="K",
+        help="film only the first K episodes (default: 0, every one)",
+    )
+    ev.add_argument(
+        "--video-max-frames",
+        type=int,
+        default=10_000,
+        help="frames per video at most; a GIF holds them in memory (default: 10000)",
+    )
     ev.add_argument("--fps", type=int, default=30, help="video frame rate (default: 30)")
-    ev.add_argument("--max-checkpoint-bytes", type=int, default=4 << 30,
-                    help="refuse a checkpoint larger than this (default: 4 GiB)")
+    ev.add_argument(
+        "--max-checkpoint-bytes",
+        type=int,
+        default=4 << 30,
+        help="refuse a checkpoint larger than this (default: 4 GiB)",
+    )
     ev.set_defaults(func=cmd_eval)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="impala-async", description="IMPALA (V-trace actor-learner) over ZeroMQ.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        prog="impala-async",
+        description="IMPALA (V-trace actor-learner) over ZeroMQ.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, text, description in (
-            ("train", "run a learner and local actors", "Train with a learner and --num-actors local actor processes. "
-             "External actors may attach as well."),
-            ("learner", "run only the learner; actors attach by address", "Run the learner alone. Actors on this or "
-             "other machines attach with 'impala-async actor --learner ADDRESS'; the addresses are printed at start.")):
-        cmd = sub.add_parser(name, help=text, description=description + LAYERS_HELP,
-                             usage=f"impala-async {name} [-h] [--config FILE] [--resume LOGDIR] [--FLAG VALUE ...]",
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
-        cmd.add_argument("--config", metavar="FILE", default="", help=(
-            "a TOML or YAML file of flag names and values (tables named after the sections below allowed), or a "
-            "run's LOGDIR/config.json to run its configuration again; flags typed here win"))
-        cmd.add_argument("--resume", metavar="LOGDIR", default="", help=(
-            "continue the run in LOGDIR from its newest good checkpoint: same configuration (--config and flags given "
-            "here win), counters intact, metrics appended (a restarted learner: attached actors carry on)"))
+        (
+            "train",
+            "run a learner and local actors",
+            "Train with a learner and --num-actors local actor processes. External actors may attach as well.",
+        ),
+        (
+            "learner",
+            "run only the learner; actors attach by address",
+            "Run the learner alone. Actors on this or "
+            "other machines attach with 'impala-async actor --learner ADDRESS'; the addresses are printed at start.",
+        ),
+    ):
+        cmd = sub.add_parser(
+            name,
+            help=text,
+            description=description + LAYERS_HELP,
+            usage=f"impala-async {name} [-h] [--config FILE] [--resume LOGDIR] [--FLAG VALUE ...]",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        cmd.add_argument(
+            "--config",
+            metavar="FILE",
+            default="",
+            help=(
+                "a TOML or YAML file of flag names and values (tables named after the sections below allowed), or a "
+                "run's LOGDIR/config.json to run its configuration again; flags typed here win"
+            ),
+        )
+        cmd.add_argument(
+            "--resume",
+            metavar="LOGDIR",
+            default="",
+            help=(
+                "continue the run in LOGDIR from its newest good checkpoint: same configuration (--config and flags "
+                "given here win), counters intact, metrics appended (a restarted learner: attached actors carry on)"
+            ),
+        )
         for _, cls in learner_sections():
             config_fields.add_arguments(cmd, cls, learner=True, skip=LEARNER_SKIPS[name])
         cmd.set_defaults(func=cmd_learner)
-    act = sub.add_parser("actor", help="run actors that attach to a learner", description=(
-        "Run actors against a running learner. The environment, unroll length and network come from the "
-        "learner with its weights."))
+    act = sub.add_parser(
+        "actor",
+        help="run actors that attach to a learner",
+        description=(
+            "Run actors against a running learner. The environment, unroll length and network come from the "
+            "learner with its weights."
+        ),
+    )
     for cls in (ActorTarget, ActorOptions, MetricsHttp):
         config_fields.add_arguments(act, cls, learner=False, required=("learner",))
     act.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     act.add_argument("--heartbeat-fd", type=int, default=-1, help=argparse.SUPPRESS)
     act.set_defaults(func=cmd_actor)
-    keygen = sub.add_parser("keygen", help="write a CurveZMQ key pair", description=(
-        "Write DIR/NAME.key (public) and DIR/NAME.key_secret (mode 0600). The learner needs its pair named "
-        "'learner' and the actors' public keys in DIR/allowed/; an actor needs its pair named 'actor' and the "
-        "learner's learner.key. See README, Security."))
+    keygen = sub.add_parser(
+        "keygen",
+        help="write a CurveZMQ key pair",
+        description=(
+            "Write DIR/NAME.key (public) and DIR/NAME.key_secret (mode 0600). The learner needs its pair named "
+            "'learner' and the actors' public keys in DIR/allowed/; an actor needs its pair named 'actor' and the "
+            "learner's learner.key. See README, Security."
+        ),
+    )
     keygen.add_argument("directory", help="where to write the key files (created with mode 0700)")
     keygen.add_argument("--name", default="learner", help="file name stem: learner or actor (default: learner)")
     keygen.set_defaults(func=cmd_keygen)
     _add_eval(sub)
-    hc = sub.add_parser("healthcheck", help="exit 0 if the local learner or actor supervisor is healthy", description=(
-        "GET /healthz from the metrics port of a learner or actor supervisor on this machine (the Docker "
-        "HEALTHCHECK): print the answer, exit 0 on 200 and 1 on anything else or no answer."))
+    hc = sub.add_parser(
+        "healthcheck",
+        help="exit 0 if the local learner or actor supervisor is healthy",
+        description=(
+            "GET /healthz from the metrics port of a learner or actor supervisor on this machine (the Docker "
+            "HEALTHCHECK): print the answer, exit 0 on 200 and 1 on anything else or no answer."
+        ),
+    )
     _add_metrics_flags(hc)
     hc.add_argument("--path", default="/healthz", help="the path to GET (default: /healthz)")
     hc.add_argument("--timeout-s", type=float, default=5.0, help="give up after this long (default: 5)")
@@ -213,8 +326,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv  # learner ranks > 0 run the same command line (learner/ranks.py)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     return args.func(args)
 
 

@@ -46,8 +46,11 @@ def zmtp_connect(host: str, port: int, socket_type: bytes = b"PUSH", timeout_s: 
             raise ConnectionError("the learner closed the connection during the greeting")
         got += chunk
     name = b"Socket-Type"
-    s.sendall(zmtp_frame(b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(socket_type))
-                         + socket_type, command=True))
+    s.sendall(
+        zmtp_frame(
+            b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(socket_type)) + socket_type, command=True
+        )
+    )
     return s
 
 
@@ -73,8 +76,14 @@ def unfinished_multipart(host: str, port: int, total_bytes: int, frame_bytes: in
         s.close()
 
 
-def oversized_frame(host: str, port: int, claimed_bytes: int, total_bytes: int, socket_type: bytes = b"SUB",
-                    mechanism_greeting_only: bool = False) -> int:
+def oversized_frame(
+    host: str,
+    port: int,
+    claimed_bytes: int,
+    total_bytes: int,
+    socket_type: bytes = b"SUB",
+    mechanism_greeting_only: bool = False,
+) -> int:
     """A frame header claiming ``claimed_bytes``, then ``total_bytes`` of it. With ``mechanism_greeting_only`` the
     frame follows the greeting directly, as a CURVE client's HELLO would (before any authentication)."""
     if mechanism_greeting_only:
@@ -147,18 +156,42 @@ class LearnerView:
         self.sub.close(0)
 
 
-def message(view: LearnerView, *, actor: str, seq: int, seed: int = 0, episodes=(), sent_at_ns: int | None = None,
-            edit=None, raw_edit=None) -> bytes:
+def message(
+    view: LearnerView,
+    *,
+    actor: str,
+    seq: int,
+    seed: int = 0,
+    episodes=(),
+    sent_at_ns: int | None = None,
+    edit=None,
+    raw_edit=None,
+) -> bytes:
     """A valid one-trajectory message for the learner ``view`` describes (its protocol version), changed by
     ``edit(arrays)`` before encoding and ``raw_edit(map)`` after."""
     spec = view.spec
     arrays = random_arrays(spec, 1, seed=seed)
     if edit is not None:
         edit(arrays)
-    fields = {f.name: {"dtype": f.wire_dtype, "shape": list(f.shape), "codec": "none",
-                       "data": np.ascontiguousarray(arrays[f.name], f.dtype).tobytes()} for f in spec.fields}
-    msg = {"v": view.protocol, "type": "trajectories", "actor": actor, "seq": seq, "policy_version": view.version,
-           "n": 1, "episodes": [list(e) for e in episodes], "fields": fields}
+    fields = {
+        f.name: {
+            "dtype": f.wire_dtype,
+            "shape": list(f.shape),
+            "codec": "none",
+            "data": np.ascontiguousarray(arrays[f.name], f.dtype).tobytes(),
+        }
+        for f in spec.fields
+    }
+    msg = {
+        "v": view.protocol,
+        "type": "trajectories",
+        "actor": actor,
+        "seq": seq,
+        "policy_version": view.version,
+        "n": 1,
+        "episodes": [list(e) for e in episodes],
+        "fields": fields,
+    }
     if view.protocol >= 2:
         msg["incarnation"] = view.incarnation
     if sent_at_ns is not None:
@@ -173,6 +206,7 @@ def poisoned(view: LearnerView, *, actor: str, seq: int, value: float = 3e38, fi
     truncation_value, reward, behaviour_logits). Truncation values of 3e38 turned every weight into NaN before inputs
     were clipped (with a single one, the gradient's norm often overflowed to infinity instead, and clipping zeroed
     the update)."""
+
     def edit(a):  # every step cut by a time limit, each with the extreme value
         a["terminated"][:] = 0
         a["truncated"][:] = 1
@@ -183,6 +217,7 @@ def poisoned(view: LearnerView, *, actor: str, seq: int, value: float = 3e38, fi
             a["reward"][0, 0] = value
         if "behaviour_logits" in fields:
             a["behaviour_logits"][0, 0, 0] = value
+
     return message(view, actor=actor, seq=seq, edit=edit)
 
 

@@ -11,8 +11,9 @@ FUZZ_SPECS = {
     "vector": TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=3, unroll_length=5),
     "image": TrajectorySpec(obs_shape=(2, 3, 3), obs_dtype="uint8", num_actions=6, unroll_length=4),
 }
-FUZZ_LIMITS = wire.WireLimits(max_message_bytes=1 << 20, max_trajectories_per_message=8,
-                              max_episodes_per_message=16, max_actor_id_bytes=64)
+FUZZ_LIMITS = wire.WireLimits(
+    max_message_bytes=1 << 20, max_trajectories_per_message=8, max_episodes_per_message=16, max_actor_id_bytes=64
+)
 
 
 def random_arrays(spec: TrajectorySpec, n: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -85,13 +85,29 @@ class Network:
             self._run("-n", self.switch, "link", "add", BRIDGE, "type", "bridge")
             self._run("-n", self.switch, "link", "set", BRIDGE, "up")
             for host, ns in self.ns.items():
-                self._run("link", "add", IFACE, "netns", ns, "type", "veth", "peer", "name", self.port[host], "netns",
-                          self.switch)
+                self._run(
+                    "link",
+                    "add",
+                    IFACE,
+                    "netns",
+                    ns,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    self.port[host],
+                    "netns",
+                    self.switch,
+                )
                 self._run("-n", self.switch, "link", "set", self.port[host], "master", BRIDGE, "up")
                 self._run("-n", ns, "addr", "add", f"{self.address[host]}/{self.prefix_len}", "dev", IFACE)
                 self._run("-n", ns, "link", "set", IFACE, "up")
-            probe = subprocess.run(["ip", "netns", "exec", next(iter(self.ns.values())), "true"], capture_output=True,
-                                   text=True, timeout=10)
+            probe = subprocess.run(
+                ["ip", "netns", "exec", next(iter(self.ns.values())), "true"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             if probe.returncode != 0:
                 raise Unavailable(f"`ip netns exec` does not work here: {probe.stderr.strip()}")
         except BaseException:
@@ -115,8 +131,9 @@ class Network:
 
     def established(self, host: str) -> list[tuple[str, str]]:
         """(local, peer) address:port of the host's established TCP connections (iproute2's ss)."""
-        out = subprocess.run(["ss", "-N", self.ns[host], "-Htn", "state", "established"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(
+            ["ss", "-N", self.ns[host], "-Htn", "state", "established"], capture_output=True, text=True, timeout=10
+        )
         pairs = []
         for line in out.stdout.splitlines():
             cols = line.split()
@@ -127,8 +144,9 @@ class Network:
     def tcp_info(self, host: str) -> dict[str, dict[str, str]]:
         """``local peer`` -> the kernel's TCP state of each established connection (``ss -i``: rto, backoff, retrans,
         unacked, ...), as strings, for figures."""
-        out = subprocess.run(["ss", "-N", self.ns[host], "-Htin", "state", "established"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(
+            ["ss", "-N", self.ns[host], "-Htin", "state", "established"], capture_output=True, text=True, timeout=10
+        )
         info, key = {}, None
         for line in out.stdout.splitlines():
             cols = line.split()

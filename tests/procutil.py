@@ -15,9 +15,25 @@ import psutil
 from impala_async.learner import metrics
 
 METRICS_FIELDS = (
-    "wall_s", "env_steps", "learner_steps", "sps", "episode_return_mean", "episodes", "policy_version",
-    "policy_lag_min", "policy_lag_avg", "policy_lag_max", "trajectories_received", "trajectories_rejected",
-    "loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac")
+    "wall_s",
+    "env_steps",
+    "learner_steps",
+    "sps",
+    "episode_return_mean",
+    "episodes",
+    "policy_version",
+    "policy_lag_min",
+    "policy_lag_avg",
+    "policy_lag_max",
+    "trajectories_received",
+    "trajectories_rejected",
+    "loss_pg",
+    "loss_baseline",
+    "entropy",
+    "grad_norm",
+    "rho_mean",
+    "rho_clipped_frac",
+)
 
 
 def documented_metrics() -> set[str]:
@@ -43,8 +59,9 @@ def documented_metrics() -> set[str]:
 def cli(*args: str, log: Path | None = None, **kw) -> subprocess.Popen:
     out = open(log, "w") if log else subprocess.DEVNULL
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "impala_async", *args], stdout=out, stderr=subprocess.STDOUT,
-                            env=env, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "impala_async", *args], stdout=out, stderr=subprocess.STDOUT, env=env, **kw
+    )
 
 
 def read_metrics(logdir: Path) -> list[dict]:

@@ -39,22 +39,32 @@ def weights(spec: TrajectorySpec, cfg: ModelConfig) -> wire.WeightsMessage:
     with torch.no_grad():
         for p in net.parameters():
             p.add_(torch.randn_like(p) * 0.3)  # random weights: logits that vary from step to step
-    run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": "impala_async.actors.envs:PongLike-v0",
-                "env_kwargs": {}, "spec": spec.to_dict(), "model": cfg.to_dict()}
+    run_info = {
+        "protocol": wire.PROTOCOL_VERSION,
+        "env_id": "impala_async.actors.envs:PongLike-v0",
+        "env_kwargs": {},
+        "spec": spec.to_dict(),
+        "model": cfg.to_dict(),
+    }
     data = wire.encode_weights(3, {k: v.numpy() for k, v in net.state_dict().items()}, run_info, incarnation=7)
     return wire.decode_weights(data, 1 << 30)
 
 
-SPEC_LSTM = TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=12,
-                           core_state_size=16)
+SPEC_LSTM = TrajectorySpec(
+    obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=12, core_state_size=16
+)
 CFG_LSTM = ModelConfig("conv", lstm_size=16)
 
 
 def run_unrolls(policy: Policy, unrolls: int = 2, K: int = 3) -> list[dict]:
     """``unrolls`` unrolls of K PongLike environments (short episodes: resets and state resets happen)."""
     spec = policy.spec
-    envs = make_vec("impala_async.actors.envs:PongLike-v0", {"points_to_win": 1, "max_episode_steps": 7}, K,
-                    obs_dtype=spec.obs_dtype)
+    envs = make_vec(
+        "impala_async.actors.envs:PongLike-v0",
+        {"points_to_win": 1, "max_episode_steps": 7},
+        K,
+        obs_dtype=spec.obs_dtype,
+    )
     envs.reset(range(K))
     rng = np.random.default_rng(0)
     state = policy.initial_state(K)
@@ -117,8 +127,18 @@ def test_cuda_without_a_device_is_refused_in_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     log = tmp_path / "log"
-    proc = cli("train", "--env", "CartPole-v1", "--actor-device", "cuda", "--num-actors", "1",
-               "--logdir", str(tmp_path / "run"), log=log)
+    proc = cli(
+        "train",
+        "--env",
+        "CartPole-v1",
+        "--actor-device",
+        "cuda",
+        "--num-actors",
+        "1",
+        "--logdir",
+        str(tmp_path / "run"),
+        log=log,
+    )
     try:
         assert proc.wait(60) != 0
     except subprocess.TimeoutExpired:

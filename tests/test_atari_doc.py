@@ -36,8 +36,13 @@ WRONG = ("resize_before_max", "bgr_grey", "no_max", "final_screen_at_end", "noop
 class DocAtari:
     """An Atari id's environment as the protocol document describes it (``wrong`` changes one detail)."""
 
-    def __init__(self, game: str, repeat_action_probability: float, max_num_frames_per_episode: int = 108_000,
-                 wrong: str | None = None):
+    def __init__(
+        self,
+        game: str,
+        repeat_action_probability: float,
+        max_num_frames_per_episode: int = 108_000,
+        wrong: str | None = None,
+    ):
         assert wrong is None or wrong in WRONG
         self.game, self.wrong = game, wrong
         self.ale = ale_py.ALEInterface()

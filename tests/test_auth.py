@@ -196,8 +196,10 @@ def _refusal(load, directory: Path, *phrases: str) -> str:
     return message
 
 
-@pytest.mark.parametrize(("dir_mode", "allowed_mode", "public_mode", "secret_mode"), [
-    (0o700, 0o700, 0o644, 0o600), (0o755, 0o755, 0o444, 0o400), (0o750, 0o711, 0o600, 0o600)])
+@pytest.mark.parametrize(
+    ("dir_mode", "allowed_mode", "public_mode", "secret_mode"),
+    [(0o700, 0o700, 0o644, 0o600), (0o755, 0o755, 0o444, 0o400), (0o750, 0o711, 0o600, 0o600)],
+)
 def test_a_correct_layout_loads(key_dirs, tmp_path, dir_mode, allowed_mode, public_mode, secret_mode):
     for directory in (key_dirs.learner, key_dirs.actor):
         directory.chmod(dir_mode)
@@ -216,8 +218,13 @@ def test_a_correct_layout_loads(key_dirs, tmp_path, dir_mode, allowed_mode, publ
 def test_refuses_a_key_directory_others_can_write(key_dirs, name, mode):
     path, load = _target(key_dirs, name)
     path.chmod(mode)
-    _refusal(load, key_dirs.learner if load is auth.load_learner_keys else key_dirs.actor,
-             f"{path} is writable by group or others", f"mode {mode:04o}", f"chmod go-w {path}")
+    _refusal(
+        load,
+        key_dirs.learner if load is auth.load_learner_keys else key_dirs.actor,
+        f"{path} is writable by group or others",
+        f"mode {mode:04o}",
+        f"chmod go-w {path}",
+    )
     path.chmod(0o700)
     _load_both(key_dirs)
 
@@ -227,18 +234,30 @@ def test_refuses_a_key_directory_others_can_write(key_dirs, name, mode):
 def test_refuses_a_public_key_others_can_write(key_dirs, name, mode):
     path, load = _target(key_dirs, name)
     path.chmod(mode)
-    _refusal(load, path.parent.parent if name == "allowed key" else path.parent,
-             f"public key file {path} is writable by group or others", f"mode {mode:04o}", f"chmod go-w {path}")
+    _refusal(
+        load,
+        path.parent.parent if name == "allowed key" else path.parent,
+        f"public key file {path} is writable by group or others",
+        f"mode {mode:04o}",
+        f"chmod go-w {path}",
+    )
 
 
 @needs_root
-@pytest.mark.parametrize("name", ["learner dir", "allowed dir", "actor dir", "learner secret", "actor secret",
-                                  "allowed key", "actor's learner.key"])
+@pytest.mark.parametrize(
+    "name",
+    ["learner dir", "allowed dir", "actor dir", "learner secret", "actor secret", "allowed key", "actor's learner.key"],
+)
 def test_refuses_what_another_user_owns(key_dirs, name):
     path, load = _target(key_dirs, name)
     os.chown(path, OTHER_UID, -1)
-    _refusal(load, key_dirs.learner if load is auth.load_learner_keys else key_dirs.actor,
-             f"{path} is owned by uid {OTHER_UID}", "not by uid 0", f"chown root {path}")
+    _refusal(
+        load,
+        key_dirs.learner if load is auth.load_learner_keys else key_dirs.actor,
+        f"{path} is owned by uid {OTHER_UID}",
+        "not by uid 0",
+        f"chown root {path}",
+    )
     os.chown(path, 0, -1)
     _load_both(key_dirs)
 
@@ -251,8 +270,12 @@ def test_refuses_a_key_file_that_is_a_symbolic_link(key_dirs, tmp_path, name):
     real = elsewhere / path.name
     path.rename(real)
     path.symlink_to(real)
-    _refusal(load, key_dirs.learner if load is auth.load_learner_keys else key_dirs.actor,
-             f"{path} is a symbolic link", f"rm {path} && cp {real} {path}")
+    _refusal(
+        load,
+        key_dirs.learner if load is auth.load_learner_keys else key_dirs.actor,
+        f"{path} is a symbolic link",
+        f"rm {path} && cp {real} {path}",
+    )
 
 
 def test_refusals_are_value_errors_and_os_errors(key_dirs):
@@ -277,11 +300,24 @@ def test_the_cli_refuses_unsafe_keys_in_one_line(key_dirs, tmp_path):
     loose = tmp_path / "loose"
     loose.mkdir(mode=0o700)
     loose.chmod(0o770)
-    argvs = {"learner": ["learner", "--curve-keys", str(key_dirs.learner), "--logdir", str(tmp_path / "run"),
-                         "--listen", f"tcp://127.0.0.1:{free_port_pair()}"],
-             "keygen": ["keygen", str(loose), "--name", "actor"]}
-    procs = {name: subprocess.Popen([sys.executable, "-m", "impala_async", *argv], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name, argv in argvs.items()}
+    argvs = {
+        "learner": [
+            "learner",
+            "--curve-keys",
+            str(key_dirs.learner),
+            "--logdir",
+            str(tmp_path / "run"),
+            "--listen",
+            f"tcp://127.0.0.1:{free_port_pair()}",
+        ],
+        "keygen": ["keygen", str(loose), "--name", "actor"],
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "impala_async", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for name, argv in argvs.items()
+    }
     try:
         for name, proc in procs.items():
             out, err = proc.communicate(timeout=30)
@@ -339,10 +375,13 @@ def test_thread_authenticator_names_the_sender(key_dirs, sync_context):
 # The ZAP refusal of an unlisted key is the server's decision: always HANDSHAKE_FAILED_AUTH. A plain client and the
 # server both notice the mechanism mismatch, and whichever closes first decides what the server reports (seen:
 # HANDSHAKE_FAILED_PROTOCOL or HANDSHAKE_FAILED_NO_DETAIL, each followed by DISCONNECTED); never a successful handshake.
-@pytest.mark.parametrize(("client", "rejections"), [
-    ("stranger", {zmq.EVENT_HANDSHAKE_FAILED_AUTH}),
-    ("plain", {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}),
-])
+@pytest.mark.parametrize(
+    ("client", "rejections"),
+    [
+        ("stranger", {zmq.EVENT_HANDSHAKE_FAILED_AUTH}),
+        ("plain", {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}),
+    ],
+)
 def test_rejected_push_delivers_nothing(key_dirs, sync_context, client, rejections):
     with _curve_server(sync_context, key_dirs, zmq.PULL) as (pull, monitor, endpoint):
         rejected = _client(sync_context, zmq.PUSH, endpoint, key_dirs.stranger if client == "stranger" else None)
@@ -398,8 +437,16 @@ def test_curve_server_without_authenticator_fails_closed(key_dirs, sync_context)
 
 
 # ------------------------------------------------------------------------------------------------ refuse_insecure
-@pytest.mark.parametrize("listen", ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://192.168.1.7:5555",
-                                    "tcp://learner.example.org:5555", "tcp://eth0:5555"])
+@pytest.mark.parametrize(
+    "listen",
+    [
+        "tcp://0.0.0.0:5555",
+        "tcp://*:5555",
+        "tcp://192.168.1.7:5555",
+        "tcp://learner.example.org:5555",
+        "tcp://eth0:5555",
+    ],
+)
 def test_refuse_insecure_refuses_reachable_addresses_without_curve(listen):
     with pytest.raises(ValueError, match="without CURVE"):
         auth.refuse_insecure(listen, "tcp://127.0.0.1:5556", curve=False, insecure=False)
@@ -409,7 +456,16 @@ def test_refuse_insecure_refuses_reachable_addresses_without_curve(listen):
     auth.refuse_insecure(listen, listen, curve=True, insecure=False)
 
 
-@pytest.mark.parametrize("address", ["tcp://127.0.0.1:5555", "tcp://127.0.0.1:*", "tcp://localhost:5555",
-                                     "tcp://[::1]:5555", "ipc:///tmp/impala.sock", "inproc://learner"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "tcp://127.0.0.1:5555",
+        "tcp://127.0.0.1:*",
+        "tcp://localhost:5555",
+        "tcp://[::1]:5555",
+        "ipc:///tmp/impala.sock",
+        "inproc://learner",
+    ],
+)
 def test_refuse_insecure_allows_local_addresses(address):
     auth.refuse_insecure(address, address, curve=False, insecure=False)

@@ -12,12 +12,12 @@ import time
 import pytest
 import torch
 
+from impala_async.config import Layered, LearnerConfig
+from impala_async.config.resolve import Probe, resolve
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner import checkpoint
 from impala_async.learner.learn import Learner
 from impala_async.learner.server import LearnerServer
-from impala_async.config import Layered, LearnerConfig
-from impala_async.config.resolve import Probe, resolve
 
 
 class Exhausted:

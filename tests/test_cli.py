@@ -24,20 +24,52 @@ from procutil import (
 
 from impala_async.learner import checkpoint
 
-SMALL = ["--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "--unroll-length", "10",
-         "--batch-size", "4", "--report-interval-s", "0.5"]
+SMALL = [
+    "--env",
+    "CartPole-v1",
+    "--num-actors",
+    "1",
+    "--envs-per-actor",
+    "4",
+    "--unroll-length",
+    "10",
+    "--batch-size",
+    "4",
+    "--report-interval-s",
+    "0.5",
+]
 
 
-@pytest.mark.parametrize("command,flags", [
-    ([], ["train", "learner", "actor"]),
-    (["train"], ["--env", "--num-actors", "--envs-per-actor", "--unroll-length", "--batch-size", "--total-env-steps",
-                 "--learning-rate", "--entropy-cost", "--seed", "--logdir", "--device", "--listen", "--publish"]),
-    (["learner"], ["--listen", "--publish", "--max-message-bytes", "--max-policy-lag"]),
-    (["actor"], ["--learner", "--weights", "--num-actors", "--envs-per-actor", "--seed"]),
-])
+@pytest.mark.parametrize(
+    "command,flags",
+    [
+        ([], ["train", "learner", "actor"]),
+        (
+            ["train"],
+            [
+                "--env",
+                "--num-actors",
+                "--envs-per-actor",
+                "--unroll-length",
+                "--batch-size",
+                "--total-env-steps",
+                "--learning-rate",
+                "--entropy-cost",
+                "--seed",
+                "--logdir",
+                "--device",
+                "--listen",
+                "--publish",
+            ],
+        ),
+        (["learner"], ["--listen", "--publish", "--max-message-bytes", "--max-policy-lag"]),
+        (["actor"], ["--learner", "--weights", "--num-actors", "--envs-per-actor", "--seed"]),
+    ],
+)
 def test_help_is_complete(command, flags):
-    out = subprocess.run([sys.executable, "-m", "impala_async", *command, "--help"], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "impala_async", *command, "--help"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     for flag in flags:
         assert flag in out.stdout, flag
@@ -57,8 +89,10 @@ def test_train_end_to_end(tmp_path):
     missing = [f for f in METRICS_FIELDS if f not in last]
     assert not missing, missing
     documented = documented_metrics()
-    assert set(last) == documented, (f"written, not in docs/metrics.md: {sorted(set(last) - documented)}; "
-                                     f"documented, not written: {sorted(documented - set(last))}")
+    assert set(last) == documented, (
+        f"written, not in docs/metrics.md: {sorted(set(last) - documented)}; "
+        f"documented, not written: {sorted(documented - set(last))}"
+    )
     assert last["learner_steps"] > 0 and last["env_steps_trained"] >= 4000
     assert last["episodes"] > 0 and last["episode_return_mean"] > 0
     assert last["policy_version"] == last["learner_steps"]
@@ -74,6 +108,7 @@ def test_train_end_to_end(tmp_path):
 
 def _cmdline(pid):
     import psutil
+
     try:
         return psutil.Process(pid).cmdline()
     except psutil.NoSuchProcess:
@@ -83,8 +118,7 @@ def _cmdline(pid):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_everything_within_10_s(tmp_path, sig):
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", *SMALL, "--num-actors", "2", "--total-env-steps", "10000000", "--logdir", str(logdir),
-               log=log)
+    proc = cli("train", *SMALL, "--num-actors", "2", "--total-env-steps", "10000000", "--logdir", str(logdir), log=log)
     try:
         wait_for(lambda: any(r["learner_steps"] > 0 for r in read_metrics(logdir)), 90, "learner steps", proc, log)
         kids = descendants(proc.pid)
@@ -102,15 +136,30 @@ def test_signal_stops_everything_within_10_s(tmp_path, sig):
 def test_learner_and_attached_actors(tmp_path):
     port = free_port_pair()
     logdir, llog, alog = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actor.log"
-    learner = cli("learner", "--env", "CartPole-v1", "--listen", f"tcp://127.0.0.1:{port}", "--unroll-length", "10",
-                  "--batch-size", "4", "--total-env-steps", "3000", "--logdir", str(logdir), log=llog)
+    learner = cli(
+        "learner",
+        "--env",
+        "CartPole-v1",
+        "--listen",
+        f"tcp://127.0.0.1:{port}",
+        "--unroll-length",
+        "10",
+        "--batch-size",
+        "4",
+        "--total-env-steps",
+        "3000",
+        "--logdir",
+        str(logdir),
+        log=llog,
+    )
     actors = None
     try:
         wait_for(lambda: "listening" in llog.read_text(), 60, "learner start", learner, llog)
         assert f"--learner tcp://127.0.0.1:{port} --weights tcp://127.0.0.1:{port + 1}" in llog.read_text()
         # The actor is given only the trajectory address: weights address, env and spec come from the learner.
-        actors = cli("actor", "--learner", f"tcp://127.0.0.1:{port}", "--num-actors", "2", "--envs-per-actor", "2",
-                     log=alog)
+        actors = cli(
+            "actor", "--learner", f"tcp://127.0.0.1:{port}", "--num-actors", "2", "--envs-per-actor", "2", log=alog
+        )
         assert learner.wait(120) == 0, tail(llog) + tail(alog)
         last = read_metrics(logdir)[-1]
         assert last["learner_steps"] > 0 and last["trajectories_received"] > 0
@@ -129,8 +178,17 @@ def test_env_kwargs_reach_learner_and_actors(tmp_path):
     """`--env-kwargs` travels to the actors with the weights. CartPole cut at 5 steps returns exactly 5 per episode;
     uncut, no CartPole episode is that short (the pole takes about 8 steps to fall even under the worst policy)."""
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", *SMALL, "--total-env-steps", "3000", "--env-kwargs", '{"max_episode_steps": 5}',
-               "--logdir", str(logdir), log=log)
+    proc = cli(
+        "train",
+        *SMALL,
+        "--total-env-steps",
+        "3000",
+        "--env-kwargs",
+        '{"max_episode_steps": 5}',
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     try:
         assert proc.wait(120) == 0, tail(log)
     finally:
@@ -139,9 +197,23 @@ def test_env_kwargs_reach_learner_and_actors(tmp_path):
     assert rows and rows[-1]["episodes"] >= 3000 // 5 // 2, tail(log)
     assert {r["episode_return_mean"] for r in rows} == {5.0}
     # An argument the environment does not take is refused at the start, naming it.
-    bad = subprocess.run([sys.executable, "-m", "impala_async", "train", "--env", "CartPole-v1", "--env-kwargs",
-                          '{"no_such_argument": 1}', "--logdir", str(tmp_path / "bad")],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "impala_async",
+            "train",
+            "--env",
+            "CartPole-v1",
+            "--env-kwargs",
+            '{"no_such_argument": 1}',
+            "--logdir",
+            str(tmp_path / "bad"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode != 0 and "no_such_argument" in bad.stderr, bad.stderr
 
 
@@ -150,10 +222,27 @@ def test_image_path_learns(tmp_path):
     """The conv network, uint8 frames, the ring and V-trace together learn what they see: a visual bandit (random
     play returns 0, reading the picture returns 1) reaches 0.9 with default settings."""
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", "--env", "impala_async.actors.envs:ImageBandit-v0", "--num-actors", "1", "--total-env-steps",
-               "200000", "--report-interval-s", "0.5", "--logdir", str(logdir), log=log)
+    proc = cli(
+        "train",
+        "--env",
+        "impala_async.actors.envs:ImageBandit-v0",
+        "--num-actors",
+        "1",
+        "--total-env-steps",
+        "200000",
+        "--report-interval-s",
+        "0.5",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     try:
-        wait_for(lambda: any((r["episode_return_mean"] or 0) >= 0.9 for r in read_metrics(logdir)), 150,
-                 "an average return of 0.9", proc, log)
+        wait_for(
+            lambda: any((r["episode_return_mean"] or 0) >= 0.9 for r in read_metrics(logdir)),
+            150,
+            "an average return of 0.9",
+            proc,
+            log,
+        )
     finally:
         stop(proc)

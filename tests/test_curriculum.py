@@ -10,10 +10,10 @@ import pytest
 from procutil import cli, read_metrics, stop, tail
 
 from impala_async.actors.envs import make_env, set_difficulty
+from impala_async.config import LearnerConfig
+from impala_async.config import sections as config
 from impala_async.core import wire
 from impala_async.learner import curriculum
-from impala_async.config import sections as config
-from impala_async.config import LearnerConfig
 
 
 def test_linear_schedule():
@@ -46,6 +46,7 @@ def test_weights_message_carries_the_difficulty():
     assert msg.difficulty == 1.25 and msg.version == 7 and msg.incarnation == 5
     assert wire.weights_header(data) == (7, 5)  # a re-sent copy is still told by version and incarnation
     import msgpack
+
     assert list(msgpack.unpackb(data))[:6] == ["v", "type", "version", "incarnation", "difficulty", "run"]
     bad = msgpack.packb({**msgpack.unpackb(data), "difficulty": "hard"})
     with pytest.raises(wire.Rejected, match="difficulty"):
@@ -94,11 +95,31 @@ def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
     steps) and resumes from its checkpoint: the episode count, and with it the schedule, continues.
     """
     logdir = tmp_path / "run"
-    flags = ["--env", "impala_async.actors.envs:DifficultyProbe-v0", "--num-actors", "1", "--envs-per-actor", "4",
-             "--unroll-length", "5", "--batch-size", "4", "--report-interval-s", "0.1", "--curriculum", "linear",
-             "--curriculum-start", "0.5", "--curriculum-end", "2.0", "--curriculum-episodes", str(N_EPISODES)]
-    for i, (args, budget) in enumerate([(flags + ["--logdir", str(logdir)], 3_000),
-                                        (["--resume", str(logdir)], N_EPISODES + WINDOW + LAG)]):
+    flags = [
+        "--env",
+        "impala_async.actors.envs:DifficultyProbe-v0",
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "4",
+        "--unroll-length",
+        "5",
+        "--batch-size",
+        "4",
+        "--report-interval-s",
+        "0.1",
+        "--curriculum",
+        "linear",
+        "--curriculum-start",
+        "0.5",
+        "--curriculum-end",
+        "2.0",
+        "--curriculum-episodes",
+        str(N_EPISODES),
+    ]
+    for i, (args, budget) in enumerate(
+        [(flags + ["--logdir", str(logdir)], 3_000), (["--resume", str(logdir)], N_EPISODES + WINDOW + LAG)]
+    ):
         log = tmp_path / f"log{i}"
         proc = cli("train", *args, "--total-env-steps", str(budget), log=log)
         try:

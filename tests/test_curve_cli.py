@@ -30,8 +30,9 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
 def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "impala_async", *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=ENV)
+    return subprocess.run(
+        [sys.executable, "-m", "impala_async", *args], capture_output=True, text=True, timeout=timeout_s, env=ENV
+    )
 
 
 def keygen(directory: Path, name: str) -> None:
@@ -64,8 +65,19 @@ def test_only_the_listed_actor_gets_in(tmp_path, key_dirs):
     port = free_port_pair()
     listen, weights = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
     logdir, llog, alog = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actor.log"
-    learner = cli("learner", *LEARNER_FLAGS, "--curve-keys", str(ldir), "--listen", listen, "--logdir", str(logdir),
-                  "--total-env-steps", "100000000", log=llog)
+    learner = cli(
+        "learner",
+        *LEARNER_FLAGS,
+        "--curve-keys",
+        str(ldir),
+        "--listen",
+        listen,
+        "--logdir",
+        str(logdir),
+        "--total-env-steps",
+        "100000000",
+        log=llog,
+    )
     actor = None
     ctx = zmq.Context()
     try:
@@ -85,9 +97,18 @@ def test_only_the_listed_actor_gets_in(tmp_path, key_dirs):
             push.connect(listen)
             sub.connect(weights)
             clients.append((push, sub))
-        messages = (wire.encode_trajectories(SPEC, actor_id=f"refused-{i}", seq=seq, policy_version=0, incarnation=1,
-                                             arrays=random_arrays(SPEC, 1, seed=seq))
-                    for seq in range(1 << 30) for i in range(len(clients)))
+        messages = (
+            wire.encode_trajectories(
+                SPEC,
+                actor_id=f"refused-{i}",
+                seq=seq,
+                policy_version=0,
+                incarnation=1,
+                arrays=random_arrays(SPEC, 1, seed=seq),
+            )
+            for seq in range(1 << 30)
+            for i in range(len(clients))
+        )
         deadline = time.monotonic() + NOTHING_ARRIVES_S
         while time.monotonic() < deadline:  # both send valid messages all along, and listen for weights
             for push, sub in clients:
@@ -98,8 +119,13 @@ def test_only_the_listed_actor_gets_in(tmp_path, key_dirs):
                 assert not sub.poll(0, zmq.POLLIN), "a refused subscriber received weights"
             time.sleep(0.01)
         rows = len(read_metrics(logdir))  # counters from after the sending window
-        row = wait_for(lambda: len(read_metrics(logdir)) >= rows + 2 and last_metrics(logdir), 10, "two more metrics "
-                       "lines", learner, llog)
+        row = wait_for(
+            lambda: len(read_metrics(logdir)) >= rows + 2 and last_metrics(logdir),
+            10,
+            "two more metrics lines",
+            learner,
+            llog,
+        )
         assert row["messages_received"] == 0 and row["trajectories_received"] == 0, row
         assert f"refused a CURVE client with an unlisted public key {stranger.public.decode()}" in llog.read_text()
 
@@ -116,8 +142,9 @@ def test_only_the_listed_actor_gets_in(tmp_path, key_dirs):
 
         # ... and the real actor with that key trains the learner (a).
         actor = cli("actor", "--curve-keys", str(adir), "--learner", listen, "--envs-per-actor", "2", log=alog)
-        row = wait_for(lambda: (r := last_metrics(logdir)).get("learner_steps", 0) > 0 and r, 90, "learner steps",
-                       learner, llog)
+        row = wait_for(
+            lambda: (r := last_metrics(logdir)).get("learner_steps", 0) > 0 and r, 90, "learner steps", learner, llog
+        )
         assert row["trajectories_received"] > 0 and row["messages_rejected"] == 0, row
         assert actor.poll() is None, tail(alog)
     finally:
@@ -142,12 +169,20 @@ def test_an_actor_tells_refusal_from_absence(tmp_path, key_dirs):
     port = free_port_pair()
     listen = f"tcp://127.0.0.1:{port}"
     logdir, llog = tmp_path / "run", tmp_path / "learner.log"
-    learner = cli("learner", *LEARNER_FLAGS, "--curve-keys", str(ldir), "--listen", listen, "--logdir", str(logdir),
-                  log=llog)
+    learner = cli(
+        "learner", *LEARNER_FLAGS, "--curve-keys", str(ldir), "--listen", listen, "--logdir", str(logdir), log=llog
+    )
     try:
         wait_for(lambda: "listening" in llog.read_text(), 60, "the learner to start", learner, llog)
-        refused = run_cli("actor", "--curve-keys", str(_stranger_dir(tmp_path, adir)), "--learner", listen,
-                          "--max-wait-for-weights-s", "3")
+        refused = run_cli(
+            "actor",
+            "--curve-keys",
+            str(_stranger_dir(tmp_path, adir)),
+            "--learner",
+            listen,
+            "--max-wait-for-weights-s",
+            "3",
+        )
         assert refused.returncode == 5, refused.stderr
         assert "refused this actor's key" in refused.stderr
     finally:
@@ -161,8 +196,21 @@ def test_train_with_curve_gives_its_local_actors_a_key(tmp_path, key_dirs):
     ldir, _ = key_dirs
     allowed_before = sorted(p.name for p in (ldir / "allowed").iterdir())
     logdir, log = tmp_path / "run", tmp_path / "train.log"
-    proc = cli("train", *LEARNER_FLAGS, "--curve-keys", str(ldir), "--num-actors", "1", "--envs-per-actor", "2",
-               "--total-env-steps", "1500", "--logdir", str(logdir), log=log)
+    proc = cli(
+        "train",
+        *LEARNER_FLAGS,
+        "--curve-keys",
+        str(ldir),
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "2",
+        "--total-env-steps",
+        "1500",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     try:
         assert proc.wait(120) == 0, tail(log)
     finally:
@@ -193,8 +241,10 @@ def _refusal_cases(tmp_path: Path, ldir: Path) -> dict[str, tuple[list[str], lis
         "exposed without CURVE": (["--listen", f"tcp://0.0.0.0:{port}"], ["refusing to bind", "--curve-keys"]),
         "empty allowed/": (["--curve-keys", str(empty)], [str(empty / "allowed"), "holds no *.key file"]),
         "missing allowed/": (["--curve-keys", str(missing)], [str(missing / "allowed"), "does not exist"]),
-        "secret key mode 0644": (["--curve-keys", str(loose)], [str(loose / "learner.key_secret"), "0644",
-                                                                 "chmod 600"]),
+        "secret key mode 0644": (
+            ["--curve-keys", str(loose)],
+            [str(loose / "learner.key_secret"), "0644", "chmod 600"],
+        ),
     }
 
 
@@ -204,9 +254,22 @@ def test_learner_refuses_to_start(tmp_path, key_dirs):
     for i, (name, (flags, _)) in enumerate(cases.items()):  # concurrently: each pays for the heavy imports
         listen = [] if "--listen" in flags else ["--listen", f"tcp://127.0.0.1:{free_port_pair()}"]
         procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "impala_async", "learner", *LEARNER_FLAGS, *listen, *flags,
-             "--logdir", str(tmp_path / f"run{i}")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=ENV)
+            [
+                sys.executable,
+                "-m",
+                "impala_async",
+                "learner",
+                *LEARNER_FLAGS,
+                *listen,
+                *flags,
+                "--logdir",
+                str(tmp_path / f"run{i}"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
     t0 = time.monotonic()
     try:
         for name, proc in procs.items():
@@ -228,8 +291,17 @@ def test_learner_refuses_to_start(tmp_path, key_dirs):
 def test_insecure_flag_allows_an_exposed_address(tmp_path):
     port = free_port_pair()
     logdir, log = tmp_path / "run", tmp_path / "learner.log"
-    proc = cli("learner", *LEARNER_FLAGS, "--listen", f"tcp://0.0.0.0:{port}", "--insecure", "1",
-               "--logdir", str(logdir), log=log)
+    proc = cli(
+        "learner",
+        *LEARNER_FLAGS,
+        "--listen",
+        f"tcp://0.0.0.0:{port}",
+        "--insecure",
+        "1",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     try:
         wait_for(lambda: "listening" in log.read_text(), 60, "the learner to start", proc, log)
         ctx = zmq.Context()  # it serves weights on the exposed address's port + 1

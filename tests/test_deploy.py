@@ -126,8 +126,11 @@ def rendered() -> dict[str, list[dict]]:
 # ------------------------------------------------------------------------------------------------ small helpers
 def _expand(value: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion in command and args: $$ is a literal $, an undefined $(X) stays as it is."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), value)
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        value,
+    )
 
 
 def _env(container: dict) -> dict[str, str]:
@@ -165,8 +168,9 @@ def _run_argv(command: list[str], args: list[str], env: dict[str, str], tmp_path
 
 def _container_argv(container: dict, tmp_path: Path, **env_overrides: str) -> list[str]:
     env = {**_env(container), **env_overrides}
-    return _run_argv([_expand(c, env) for c in container["command"]], [_expand(a, env) for a in container["args"]],
-                     env, tmp_path)
+    return _run_argv(
+        [_expand(c, env) for c in container["command"]], [_expand(a, env) for a in container["args"]], env, tmp_path
+    )
 
 
 def _subparser(command: str) -> argparse.ArgumentParser:
@@ -204,8 +208,9 @@ def _by_name(node):
         return {k: _by_name(v) for k, v in node.items()}
     if isinstance(node, list):
         items = [_by_name(x) for x in node]
-        return sorted(items, key=lambda x: x["name"]) if all(isinstance(x, dict) and "name" in x for x in items) \
-            else items
+        return (
+            sorted(items, key=lambda x: x["name"]) if all(isinstance(x, dict) and "name" in x for x in items) else items
+        )
     return node
 
 
@@ -269,8 +274,11 @@ def test_learner(rendered, variant, tmp_path):
         assert get["path"] == "/healthz" and ports.get(get["port"], get["port"]) == METRICS_PORT, kind
 
     assert pod["spec"]["terminationGracePeriodSeconds"] > float(_flag(argv, "--shutdown-timeout-s"))
-    assert pod["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
-                                              "prometheus.io/path": "/metrics"}
+    assert pod["metadata"]["annotations"] == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(METRICS_PORT),
+        "prometheus.io/path": "/metrics",
+    }
 
     # The run directory is on the PVC.
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
@@ -282,7 +290,10 @@ def test_learner(rendered, variant, tmp_path):
     service = _one(docs, "Service", "impala-learner")
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert {p["port"]: ports[p["targetPort"]] for p in service["spec"]["ports"]} == {
-        5555: 5555, 5556: 5556, METRICS_PORT: METRICS_PORT}
+        5555: 5555,
+        5556: 5556,
+        METRICS_PORT: METRICS_PORT,
+    }
 
 
 def test_learner_resumes_when_its_run_directory_has_a_checkpoint(rendered, tmp_path):
@@ -396,8 +407,10 @@ def secrets(tmp_path_factory) -> dict[str, dict[str, bytes]]:
     return {
         "impala-learner-key": {"learner.key_secret": (gen / "learner" / "learner.key_secret").read_bytes()},
         "impala-allowed-actors": {"k8s-actors.key": (gen / "actor" / "actor.key").read_bytes()},
-        "impala-actor-key": {"actor.key_secret": (gen / "actor" / "actor.key_secret").read_bytes(),
-                             "learner.key": (gen / "learner" / "learner.key").read_bytes()},
+        "impala-actor-key": {
+            "actor.key_secret": (gen / "actor" / "actor.key_secret").read_bytes(),
+            "learner.key": (gen / "learner" / "learner.key").read_bytes(),
+        },
     }
 
 
@@ -418,8 +431,9 @@ def _run_keys_init(docs: list[dict], deployment: str, root: Path, secrets: dict)
             where.chmod(0o777)  # an emptyDir's mode
     env = {k: str(root / v.lstrip("/")) if v.startswith("/") else v for k, v in _env(init).items()}
     assert init["command"][:2] == SHELL_COMMAND
-    out = subprocess.run(init["command"], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True,
-                         timeout=10)
+    out = subprocess.run(
+        init["command"], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=10
+    )
     assert out.returncode == 0, out.stderr
     (main,) = spec["containers"]
     curve_keys = main["args"][main["args"].index("--curve-keys") + 1]
@@ -470,11 +484,12 @@ def test_a_flag_that_does_not_exist_fails(rendered, tmp_path):
     learner = copy.deepcopy(_container(rendered["base"], "impala-learner", "learner"))
     learner["args"][learner["args"].index("--shutdown-timeout-s")] = "--shutdown-timeout-secs"
     assert flag_problems(_container_argv(learner, tmp_path)) == [
-        "learner: unknown flag --shutdown-timeout-secs", "learner: not parsed: --shutdown-timeout-secs",
-        "learner: not parsed: 30"]
+        "learner: unknown flag --shutdown-timeout-secs",
+        "learner: not parsed: --shutdown-timeout-secs",
+        "learner: not parsed: 30",
+    ]
     learner["args"][learner["args"].index("--shutdown-timeout-secs")] = "--shutdown-timeout"  # a prefix
-    assert flag_problems(_container_argv(learner, tmp_path)) == [
-        "learner: unknown flag --shutdown-timeout"]
+    assert flag_problems(_container_argv(learner, tmp_path)) == ["learner: unknown flag --shutdown-timeout"]
     actor = copy.deepcopy(_container(rendered["base"], "impala-actors", "actor"))
     actor["env"] = [{"name": "IMPALA_NUM_ACTORS", "value": "eight"}, {"name": "IMPALA_ENVS_PER_ACTOR", "value": "1"}]
     (problem,) = flag_problems(_container_argv(actor, tmp_path))
@@ -508,6 +523,7 @@ def _interpolate(value, env: dict[str, str]):
         if m.group(1) is None:
             raise AssertionError(f"interpolation form not handled here: {value!r}")
         return env.get(m.group(1)) or (m.group(2) or "")
+
     return re.sub(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}|\$(?=[A-Za-z_{])", one, value)
 
 
@@ -545,7 +561,8 @@ def test_compose(tmp_path):
     argv = _compose_argv(compose, tmp_path)
     assert argv[0] == "train" and _flag(argv, "--device") == "cuda" and "--resume" not in argv
     assert learner["deploy"]["resources"]["reservations"]["devices"] == [
-        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
     assert _seconds(learner["stop_grace_period"]) > float(_flag(argv, "--shutdown-timeout-s"))
     assert learner["user"] == f"{IMAGE_UID}:{IMAGE_UID}" and learner["read_only"] is True
     assert learner["ports"] == [f"127.0.0.1:{METRICS_PORT}:{METRICS_PORT}"]  # the host's loopback only

@@ -31,17 +31,32 @@ from impala_async.actors.vec import ATARI_FRAME_CAP, envpool_settings, make_vec,
 def test_envpool_settings_are_make_envs_preprocessing():
     task, options = envpool_settings("ALE/Pong-v5", {})
     assert task == "Pong-v5"
-    assert options == dict(stack_num=4, frame_skip=4, noop_max=30, img_height=84, img_width=84, gray_scale=True,
-                           use_inter_area_resize=True, use_fire_reset=False, episodic_life=False,
-                           zero_discount_on_life_loss=False, reward_clip=False, repeat_action_probability=0.25,
-                           max_episode_steps=ATARI_FRAME_CAP // 4)
+    assert options == dict(
+        stack_num=4,
+        frame_skip=4,
+        noop_max=30,
+        img_height=84,
+        img_width=84,
+        gray_scale=True,
+        use_inter_area_resize=True,
+        use_fire_reset=False,
+        episodic_life=False,
+        zero_discount_on_life_loss=False,
+        reward_clip=False,
+        repeat_action_probability=0.25,
+        max_episode_steps=ATARI_FRAME_CAP // 4,
+    )
     task, options = envpool_settings("MontezumaRevengeNoFrameskip-v4", {"full_action_space": True})
     assert task == "MontezumaRevenge-v5" and options["repeat_action_probability"] == 0.0
     assert options["full_action_space"] is True
     # Frame caps (emulator frames, no-ops included, in make_env) become agent steps, rounded up.
     assert envpool_settings("ALE/Pong-v5", {"max_num_frames_per_episode": 101})[1]["max_episode_steps"] == 26
-    assert envpool_settings("ALE/Pong-v5", {"max_episode_steps": 400,
-                                            "max_num_frames_per_episode": 1000})[1]["max_episode_steps"] == 100
+    assert (
+        envpool_settings("ALE/Pong-v5", {"max_episode_steps": 400, "max_num_frames_per_episode": 1000})[1][
+            "max_episode_steps"
+        ]
+        == 100
+    )
     assert envpool_settings("ALE/Pong-v5", {"max_num_frames_per_episode": 0})[1]["max_episode_steps"] == 2**31 - 1
     assert envpool_settings("ALE/Pong-v5", {"repeat_action_probability": 0})[1]["repeat_action_probability"] == 0
     with pytest.raises(ValueError, match="obs_type"):
@@ -211,9 +226,14 @@ def test_envpool_reproduces_the_doc(case):
         assert seen["terminated"] >= 1
 
 
-@pytest.mark.parametrize("case, option", [("breakout_v5", {"use_fire_reset": True}),
-                                          ("pong_v5_cap", {"repeat_action_probability": 0.0}),
-                                          ("pong_v4", {"use_inter_area_resize": False})])
+@pytest.mark.parametrize(
+    "case, option",
+    [
+        ("breakout_v5", {"use_fire_reset": True}),
+        ("pong_v5_cap", {"repeat_action_probability": 0.0}),
+        ("pong_v4", {"use_inter_area_resize": False}),
+    ],
+)
 def test_a_wrong_option_does_not_match(case, option):
     difference, _ = compare(case, **option)
     assert difference is not None, f"{option} should not reproduce the doc"
@@ -270,9 +290,28 @@ def test_train_pong_with_envpool_end_to_end(tmp_path):
     """`impala-async train --env ALE/Pong-v5 --env-backend envpool` on a tiny budget: the actors step EnvPool, send
     single frames, and the learner accepts every trajectory."""
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", "--env", "ALE/Pong-v5", "--env-backend", "envpool", "--num-actors", "1", "--envs-per-actor",
-               "4", "--unroll-length", "20", "--batch-size", "2", "--total-env-steps", "400", "--report-interval-s",
-               "0.5", "--logdir", str(logdir), log=log)
+    proc = cli(
+        "train",
+        "--env",
+        "ALE/Pong-v5",
+        "--env-backend",
+        "envpool",
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "4",
+        "--unroll-length",
+        "20",
+        "--batch-size",
+        "2",
+        "--total-env-steps",
+        "400",
+        "--report-interval-s",
+        "0.5",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     try:
         assert proc.wait(180) == 0, tail(log)
     except subprocess.TimeoutExpired:
@@ -286,5 +325,6 @@ def test_train_pong_with_envpool_end_to_end(tmp_path):
     import torch
 
     from impala_async.learner import checkpoint
+
     state = torch.load(checkpoint.list_checkpoints(logdir)[-1], weights_only=True)
     assert state["spec"]["frame_stack"] == 4, "frames should travel one at a time (--frame-dedup 1)"

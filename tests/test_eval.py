@@ -33,8 +33,17 @@ def runs(tmp_path_factory):
     in the layout a real run writes: the CartPole one with the bandit's configuration, spec and (untrained) network,
     as the learner builds them (training a second run would double this file's time)."""
     root = tmp_path_factory.mktemp("eval-runs")
-    proc = start_cli("train", "--env", "CartPole-v1", *TINY, "--total-env-steps", "3000",
-                     "--logdir", str(root / "cartpole"), log=root / "train.log")
+    proc = start_cli(
+        "train",
+        "--env",
+        "CartPole-v1",
+        *TINY,
+        "--total-env-steps",
+        "3000",
+        "--logdir",
+        str(root / "cartpole"),
+        log=root / "train.log",
+    )
     try:
         assert proc.wait(120) == 0, tail(root / "train.log")
     finally:
@@ -57,13 +66,28 @@ def evals(runs, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval-out")
     greedy = ["--episodes", "3", "--greedy", "--seed", "3"]
     commands = {
-        "filmed": ["--checkpoint", str(checkpoint.list_checkpoints(runs["cartpole"])[-1]), *greedy, "--json",
-                   "--video", str(out / "cartpole"), "--video-episodes", "1"],
+        "filmed": [
+            "--checkpoint",
+            str(checkpoint.list_checkpoints(runs["cartpole"])[-1]),
+            *greedy,
+            "--json",
+            "--video",
+            str(out / "cartpole"),
+            "--video-episodes",
+            "1",
+        ],
         "text": ["--checkpoint", str(runs["cartpole"]), *greedy],
         "image": ["--checkpoint", str(runs["image"]), "--episodes", "3", "--json", "--video", str(out / "image")],
     }
-    procs = {name: subprocess.Popen([sys.executable, "-m", "impala_async", "eval", *args], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name, args in commands.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "impala_async", "eval", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
     try:
         return {name: (*proc.communicate(timeout=120), proc.returncode) for name, proc in procs.items()}
     finally:
@@ -89,9 +113,12 @@ def test_printed_mean_and_std_are_those_of_the_episodes(evals):
     episodes = re.findall(r"^episode (\d+)/3: return (\S+), length (\d+) \((terminated|truncated)\)$", out, re.M)
     assert [int(e[0]) for e in episodes] == [1, 2, 3], out
     returns, lengths = np.array([float(e[1]) for e in episodes]), np.array([int(e[2]) for e in episodes])
-    summary = re.search(r"^CartPole-v1 after 3,000 env steps trained \(checkpoint-0+3000\.pt\), 3 episodes, greedy, "
-                        r"seed 3: return mean (\S+) std (\S+) \(min (\S+), max (\S+)\); length mean (\S+) std (\S+)$",
-                        out, re.M)
+    summary = re.search(
+        r"^CartPole-v1 after 3,000 env steps trained \(checkpoint-0+3000\.pt\), 3 episodes, greedy, "
+        r"seed 3: return mean (\S+) std (\S+) \(min (\S+), max (\S+)\); length mean (\S+) std (\S+)$",
+        out,
+        re.M,
+    )
     assert summary, out
     mean, std, low, high, length_mean, length_std = map(float, summary.groups())
     assert mean == pytest.approx(returns.mean(), abs=0.006) and std == pytest.approx(returns.std(), abs=0.006)
@@ -130,8 +157,8 @@ def test_image_observations_make_the_frames(evals):
         assert len(frames) == video["frames"] == 2
         for f in frames:
             assert f.shape == (336, 336, 3)
-            rows = f[4 * 34:4 * 50]  # inside the square's rows (32..52, scaled by 4)
-            left, right = rows[:, 4 * 10:4 * 22].mean(), rows[:, 4 * 62:4 * 74].mean()
+            rows = f[4 * 34 : 4 * 50]  # inside the square's rows (32..52, scaled by 4)
+            left, right = rows[:, 4 * 10 : 4 * 22].mean(), rows[:, 4 * 62 : 4 * 74].mean()
             assert sorted([left, right])[0] < 120 < sorted([left, right])[1], (left, right)
 
 
@@ -151,7 +178,7 @@ def test_frames_from_planes_and_stacks():
     assert (frame[2, 3] == evaluate.PLANE_COLOURS[0]).all() and (frame[7, 7] == evaluate.PLANE_COLOURS[3]).all()
     assert frame.sum() == evaluate.PLANE_COLOURS[[0, 3]].astype(int).sum()
     big = evaluate.upscale(frame)
-    assert big.shape == (260, 260, 3) and (big[2 * 26:3 * 26, 3 * 26:4 * 26] == evaluate.PLANE_COLOURS[0]).all()
+    assert big.shape == (260, 260, 3) and (big[2 * 26 : 3 * 26, 3 * 26 : 4 * 26] == evaluate.PLANE_COLOURS[0]).all()
     stack = np.stack([np.full((84, 84), v, np.uint8) for v in (10, 20, 30, 200)])
     assert (evaluate.frame_from_obs(stack, stacked=True) == 200).all()
     assert evaluate.upscale(np.zeros((400, 600, 3), np.uint8)).shape == (400, 600, 3)

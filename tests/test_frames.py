@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from impala_async.actors.envs import frame_stack_of, make_env
+from impala_async.config import LearnerConfig
 from impala_async.core import frames
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner.learn import Learner
-from impala_async.config import LearnerConfig
 
 
 def collect(env_ids, T, seed=0, **kwargs):
@@ -45,10 +45,13 @@ def roundtrip(obs, done):
     return frames.unstack(torch.from_numpy(packed), d, torch.zeros_like(d), S).numpy()
 
 
-@pytest.mark.parametrize("env_id,kwargs", [
-    ("impala_async.actors.envs:PongLike-v0", {"points_to_win": 1}),
-    ("impala_async.actors.envs:ImageBandit-v0", {}),
-])
+@pytest.mark.parametrize(
+    "env_id,kwargs",
+    [
+        ("impala_async.actors.envs:PongLike-v0", {"points_to_win": 1}),
+        ("impala_async.actors.envs:ImageBandit-v0", {}),
+    ],
+)
 def test_real_environments_roundtrip_exactly(env_id, kwargs):
     obs, done = collect([env_id] * 3, T=120, **kwargs)
     assert done.any(), "the unroll should cross an episode end"

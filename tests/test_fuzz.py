@@ -30,13 +30,23 @@ FUZZ = settings(max_examples=400, deadline=None, database=None, suppress_health_
 
 def valid_message(spec_name: str, n: int, codec: str, seed: int = 0) -> bytes:
     spec = SPECS[spec_name]
-    return wire.encode_trajectories(spec, actor_id=f"fuzz/{seed}", seq=seed, policy_version=2, incarnation=1,
-                                    arrays=random_arrays(spec, n, seed=seed), episodes=[(1.5, 3)], codec=codec,
-                                    sent_at_ns=10**18)
+    return wire.encode_trajectories(
+        spec,
+        actor_id=f"fuzz/{seed}",
+        seq=seed,
+        policy_version=2,
+        incarnation=1,
+        arrays=random_arrays(spec, n, seed=seed),
+        episodes=[(1.5, 3)],
+        codec=codec,
+        sent_at_ns=10**18,
+    )
 
 
-SEEDS = {(s, n, c): valid_message(s, n, c, seed=i)
-         for i, (s, n, c) in enumerate((s, n, c) for s in SPECS for n in (1, 3) for c in wire.CODECS)}
+SEEDS = {
+    (s, n, c): valid_message(s, n, c, seed=i)
+    for i, (s, n, c) in enumerate((s, n, c) for s in SPECS for n in (1, 3) for c in wire.CODECS)
+}
 
 
 def destinations(spec: TrajectorySpec, n: int) -> dict[str, np.ndarray]:
@@ -109,7 +119,7 @@ def apply_edits(data: bytes, edits) -> bytes:
         elif not buf:
             continue
         elif op == "delete":
-            del buf[i % len(buf):i % len(buf) + arg]
+            del buf[i % len(buf) : i % len(buf) + arg]
         elif op == "flip":
             buf[i % len(buf)] ^= arg
         else:
@@ -129,17 +139,54 @@ def test_byte_mutations_of_valid_messages(seed, edits):
 # ------------------------------------------------------------------------------------------ structural mutations
 # Arbitrary MessagePack values, with string and bin map keys (bin keys once crashed the server: see
 # test_bin_map_keys_are_rejected below).
-_ints = st.one_of(st.integers(-3, 300), st.integers(-(1 << 63), (1 << 64) - 1),
-                  st.sampled_from([0, 1, 2, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, (1 << 63) - 1, 1 << 63]))
-_scalars = st.one_of(st.none(), st.booleans(), _ints, st.floats(), st.text(max_size=80), st.binary(max_size=600),
-                     st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=8)),
-                     st.sampled_from(["<f4", "<i4", "|u1", "<f8", "float32", "lz4", "none", "jpeg", "trajectories"]))
-_values = st.recursive(_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=20), inner, max_size=6)), max_leaves=12)
-_keys = st.one_of(st.sampled_from(["v", "type", "actor", "seq", "policy_version", "n", "episodes", "fields",
-                                   "sent_at_ns", "obs", "action", "reward", "terminated", "truncated",
-                                   "truncation_value", "behaviour_logits", "dtype", "shape", "codec", "data"]),
-                  st.text(max_size=20), st.binary(max_size=8))
+_ints = st.one_of(
+    st.integers(-3, 300),
+    st.integers(-(1 << 63), (1 << 64) - 1),
+    st.sampled_from([0, 1, 2, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, (1 << 63) - 1, 1 << 63]),
+)
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    _ints,
+    st.floats(),
+    st.text(max_size=80),
+    st.binary(max_size=600),
+    st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=8)),
+    st.sampled_from(["<f4", "<i4", "|u1", "<f8", "float32", "lz4", "none", "jpeg", "trajectories"]),
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=6), st.dictionaries(st.text(max_size=20), inner, max_size=6)),
+    max_leaves=12,
+)
+_keys = st.one_of(
+    st.sampled_from(
+        [
+            "v",
+            "type",
+            "actor",
+            "seq",
+            "policy_version",
+            "n",
+            "episodes",
+            "fields",
+            "sent_at_ns",
+            "obs",
+            "action",
+            "reward",
+            "terminated",
+            "truncated",
+            "truncation_value",
+            "behaviour_logits",
+            "dtype",
+            "shape",
+            "codec",
+            "data",
+        ]
+    ),
+    st.text(max_size=20),
+    st.binary(max_size=8),
+)
 
 
 def _payload_values(spec: TrajectorySpec, name: str):
@@ -150,8 +197,11 @@ def _payload_values(spec: TrajectorySpec, name: str):
         st.builds(lambda k, b: bytes(b[:1] or b"\0") * k, sizes, st.binary(max_size=1)),
         st.builds(lambda k, b: lz4.block.compress((b * k)[:k]), sizes, st.binary(min_size=1, max_size=4)),
         st.builds(lambda k, b: k.to_bytes(4, "little") + b, sizes, st.binary(max_size=64)),
-        st.builds(lambda k, b: (k % (1 << 32)).to_bytes(4, "little") + lz4.block.compress(b, store_size=False),
-                  st.one_of(sizes, st.integers(0, (1 << 32) - 1)), st.binary(max_size=3 * nbytes)),
+        st.builds(
+            lambda k, b: (k % (1 << 32)).to_bytes(4, "little") + lz4.block.compress(b, store_size=False),
+            st.one_of(sizes, st.integers(0, (1 << 32) - 1)),
+            st.binary(max_size=3 * nbytes),
+        ),
     )
 
 
@@ -215,10 +265,13 @@ def payload_mutation(draw):
         header = nbytes.to_bytes(4, "little")
         entry = msg["fields"][f.name]
         entry["codec"] = "none" if kind == "none" else "lz4"
-        entry["data"] = {"none": content, "lz4": lz4.block.compress(content),
-                         "lz4_short": header + lz4.block.compress(content[:-1], store_size=False),
-                         "lz4_long": header + lz4.block.compress(content + b"\0", store_size=False),
-                         "garbage": header + draw(st.binary(min_size=1, max_size=2 * nbytes))}[kind]
+        entry["data"] = {
+            "none": content,
+            "lz4": lz4.block.compress(content),
+            "lz4_short": header + lz4.block.compress(content[:-1], store_size=False),
+            "lz4_long": header + lz4.block.compress(content + b"\0", store_size=False),
+            "garbage": header + draw(st.binary(min_size=1, max_size=2 * nbytes)),
+        }[kind]
         plan[f.name] = (kind, content)
     return spec_name, msgpack.packb(msg, use_bin_type=True), plan
 
@@ -262,8 +315,12 @@ def test_payload_mutations_against_an_oracle(case):
         if want:
             break
     else:
-        want = _cross_verdict({name: np.frombuffer(plan[name][1], spec.field_map[name].dtype)
-                               for name in ("terminated", "truncated", "truncation_value")})
+        want = _cross_verdict(
+            {
+                name: np.frombuffer(plan[name][1], spec.field_map[name].dtype)
+                for name in ("terminated", "truncated", "truncation_value")
+            }
+        )
     try:
         decoder.decode_into(msg, dest)
     except wire.Rejected as e:
@@ -322,8 +379,9 @@ def expected_reason(spec: TrajectorySpec, arrays) -> str | None:
 def test_array_values_are_checked_exactly(case):
     spec_name, arrays, codec = case
     spec, decoder = SPECS[spec_name], DECODERS[spec_name]
-    data = wire.encode_trajectories(spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays,
-                                    codec=codec)
+    data = wire.encode_trajectories(
+        spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays, codec=codec
+    )
     msg = decoder.parse(data)  # the header is valid whatever the values
     dest = destinations(spec, msg.n)
     want = expected_reason(spec, arrays)
@@ -342,16 +400,22 @@ BIG_N = 8  # 8 * 10^4 obs floats in one message: more than one wire.FINITE_CHUNK
 
 
 @settings(max_examples=60, deadline=None, database=None)
-@given(index=st.one_of(st.integers(0, BIG_N * 10_000 - 1),
-                       st.sampled_from([0, wire.FINITE_CHUNK - 1, wire.FINITE_CHUNK, BIG_N * 10_000 - 1])),
-       value=st.sampled_from([np.nan, np.inf, -np.inf]), codec=st.sampled_from(wire.CODECS))
+@given(
+    index=st.one_of(
+        st.integers(0, BIG_N * 10_000 - 1),
+        st.sampled_from([0, wire.FINITE_CHUNK - 1, wire.FINITE_CHUNK, BIG_N * 10_000 - 1]),
+    ),
+    value=st.sampled_from([np.nan, np.inf, -np.inf]),
+    codec=st.sampled_from(wire.CODECS),
+)
 def test_one_nonfinite_anywhere_in_a_large_message_is_found(index, value, codec):
     assert BIG_N * 10_000 > wire.FINITE_CHUNK
     decoder = wire.TrajectoryDecoder(BIG, wire.WireLimits(max_trajectories_per_message=BIG_N))
     arrays = random_arrays(BIG, BIG_N, seed=5)
     arrays["obs"].reshape(-1)[index] = value
-    msg = decoder.parse(wire.encode_trajectories(BIG, actor_id="a", seq=0, policy_version=0, incarnation=1,
-                                                 arrays=arrays, codec=codec))
+    msg = decoder.parse(
+        wire.encode_trajectories(BIG, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays, codec=codec)
+    )
     with pytest.raises(wire.Rejected, match="nonfinite"):
         decoder.decode_into(msg, destinations(BIG, BIG_N))
 

@@ -36,10 +36,26 @@ class Learner:
         self.port = free_port_pair()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.logdir, self.log = tmp / "run", tmp / "learner.log"
-        self.proc = cli("learner", "--env", "CartPole-v1", "--listen", self.endpoint, "--unroll-length", "10",
-                        "--batch-size", "4", "--report-interval-s", "0.5", "--logdir", str(self.logdir),
-                        "--max-message-bytes", str(MAX_MESSAGE_BYTES), "--total-env-steps", "100000000",
-                        log=self.log)
+        self.proc = cli(
+            "learner",
+            "--env",
+            "CartPole-v1",
+            "--listen",
+            self.endpoint,
+            "--unroll-length",
+            "10",
+            "--batch-size",
+            "4",
+            "--report-interval-s",
+            "0.5",
+            "--logdir",
+            str(self.logdir),
+            "--max-message-bytes",
+            str(MAX_MESSAGE_BYTES),
+            "--total-env-steps",
+            "100000000",
+            log=self.log,
+        )
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.CONFLATE, 1)
         self.sub.setsockopt(zmq.LINGER, 0)
@@ -64,9 +80,11 @@ class Learner:
 
     def wait_metrics(self, cond, what: str, timeout_s: float = COUNTER_TIMEOUT_S) -> dict:
         """The first metrics line that satisfies cond; fails if the learner exits first."""
+
         def check():
             row = self.metrics()
             return row if row and cond(row) else None
+
         return wait_for(check, timeout_s, what, self.proc, self.log)
 
 
@@ -78,13 +96,15 @@ def push_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return s
 
 
-def valid_message(spec: TrajectorySpec, *, actor: str, seq: int, version: int, incarnation: int, seed: int = 0,
-                  **arrays_override):
+def valid_message(
+    spec: TrajectorySpec, *, actor: str, seq: int, version: int, incarnation: int, seed: int = 0, **arrays_override
+):
     arrays = random_arrays(spec, 1, seed=seed)
     for name, mutate in arrays_override.items():
         mutate(arrays[name])
-    return wire.encode_trajectories(spec, actor_id=actor, seq=seq, policy_version=version, incarnation=incarnation,
-                                    arrays=arrays)
+    return wire.encode_trajectories(
+        spec, actor_id=actor, seq=seq, policy_version=version, incarnation=incarnation, arrays=arrays
+    )
 
 
 def repacked(data: bytes, mutate) -> bytes:
@@ -134,12 +154,14 @@ def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
         else:
             push.send(data)
         expected[reason] += 1
-        learner.wait_metrics(lambda r: r[f"rejected_{reason}"] >= expected[reason],
-                             f"rejected_{reason} to reach {expected[reason]}")
+        learner.wait_metrics(
+            lambda r: r[f"rejected_{reason}"] >= expected[reason], f"rejected_{reason} to reach {expected[reason]}"
+        )
 
     def valid(**kw) -> bytes:
-        return valid_message(spec, actor="hostile-test", seq=next(seq), version=learner.version(),
-                             incarnation=learner.incarnation, **kw)
+        return valid_message(
+            spec, actor="hostile-test", seq=next(seq), version=learner.version(), incarnation=learner.incarnation, **kw
+        )
 
     # --- not MessagePack, or MessagePack beyond the caps
     noise = np.random.default_rng(7).bytes(4096)
@@ -152,8 +174,13 @@ def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
 
     # --- header and field errors
     send(repacked(valid(), lambda m: m.update(v=3)), "bad_version")
-    send(repacked(valid(), lambda m: m["fields"]["reward"].update(
-        dtype="<f8", codec="none", data=np.zeros(T, "<f8").tobytes())), "bad_field")  # wrong dtype (size consistent)
+    send(
+        repacked(
+            valid(),
+            lambda m: m["fields"]["reward"].update(dtype="<f8", codec="none", data=np.zeros(T, "<f8").tobytes()),
+        ),
+        "bad_field",
+    )  # wrong dtype (size consistent)
     send(repacked(valid(), lambda m: m["fields"]["obs"].update(shape=[T + 1, 5])), "bad_field")  # wrong shape
     obs_nbytes = spec.field_map["obs"].nbytes
     short = lz4.block.compress(np.zeros(obs_nbytes // 4 - 1, np.float32))  # valid LZ4, truthful header, too short
@@ -179,8 +206,16 @@ def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
     send(valid(terminated=lambda a: a.__setitem__((0, 1), 2)), "bad_flag")
 
     # --- policy version from the future, replayed (actor id, seq)
-    send(valid_message(spec, actor="hostile-test", seq=next(seq), version=learner.version() + 1_000_000,
-                       incarnation=learner.incarnation), "future_version")
+    send(
+        valid_message(
+            spec,
+            actor="hostile-test",
+            seq=next(seq),
+            version=learner.version() + 1_000_000,
+            incarnation=learner.incarnation,
+        ),
+        "future_version",
+    )
     replayed = valid()
     push.send(replayed)
     send(replayed, "replay")
@@ -210,20 +245,24 @@ def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
     steps = learner.metrics()["learner_steps"]
     assert steps > start["learner_steps"]
     received = learner.metrics()["trajectories_received"]
-    learner.wait_metrics(lambda r: r["learner_steps"] > steps and r["trajectories_received"] > received,
-                         "training to go on after the hostile input")
+    learner.wait_metrics(
+        lambda r: r["learner_steps"] > steps and r["trajectories_received"] > received,
+        "training to go on after the hostile input",
+    )
     assert learner.proc.poll() is None and learner.actor.poll() is None, tail(learner.actor_log)
 
     # ... and a fresh connection is served: an honest message is accepted whole. Proof: its replay (sent behind it on
     # the same connection) is the only new rejection, so the honest one went through every check before it.
     fresh = push_socket(ctx, learner.endpoint)
-    honest = valid_message(spec, actor="fresh-connection", seq=0, version=learner.version(),
-                           incarnation=learner.incarnation, seed=3)
+    honest = valid_message(
+        spec, actor="fresh-connection", seq=0, version=learner.version(), incarnation=learner.incarnation, seed=3
+    )
     before = learner.metrics()
     fresh.send(honest)
     fresh.send(honest)
-    row = learner.wait_metrics(lambda r: r["rejected_replay"] > before["rejected_replay"],
-                               "the honest message's replay")
+    row = learner.wait_metrics(
+        lambda r: r["rejected_replay"] > before["rejected_replay"], "the honest message's replay"
+    )
     assert row["messages_rejected"] == before["messages_rejected"] + 1
     assert row["rejected_too_large"] == 0
     assert row["dropped_stale"] == before["dropped_stale"]
@@ -246,8 +285,9 @@ def test_bin_map_key_does_not_stop_the_learner(tmp_path, ctx):
         learner.weights()
         spec = learner.spec
         push = push_socket(ctx, learner.endpoint)
-        msg = msgpack.unpackb(valid_message(spec, actor="bin-key", seq=0, version=0, incarnation=learner.incarnation),
-                              raw=False)
+        msg = msgpack.unpackb(
+            valid_message(spec, actor="bin-key", seq=0, version=0, incarnation=learner.incarnation), raw=False
+        )
         msg[b"x"] = 1  # docs/protocol.md: keys are strings; a non-string key is 'malformed'
         push.send(msgpack.packb(msg, use_bin_type=True))
         row = learner.wait_metrics(lambda r: r["messages_rejected"] >= 1, "the bin-key message to be rejected")
@@ -257,4 +297,3 @@ def test_bin_map_key_does_not_stop_the_learner(tmp_path, ctx):
     finally:
         stop(learner.proc)
         learner.sub.close(0)
-

@@ -20,9 +20,9 @@ simplejpeg = pytest.importorskip("simplejpeg")
 
 from impala_async.actors.actor import image_codec  # noqa: E402
 from impala_async.actors.envs import PongLike  # noqa: E402
+from impala_async.config import LearnerConfig  # noqa: E402
 from impala_async.core import codecs, wire  # noqa: E402
 from impala_async.core.spec import TrajectorySpec  # noqa: E402
-from impala_async.config import LearnerConfig  # noqa: E402
 
 FRAMES = TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=12, frame_stack=4)
 STACKS = TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=5)  # obs [T+1, C, H, W]
@@ -47,8 +47,17 @@ def honest(spec: TrajectorySpec, n: int, seed: int = 0) -> dict[str, np.ndarray]
 
 
 def encode(spec, arrays, quality: int = 90) -> bytes:
-    return wire.encode_trajectories(spec, actor_id="jpeg/1", seq=1, policy_version=0, incarnation=1, arrays=arrays,
-                                    episodes=[(1.0, 3)], image_codec="jpeg", jpeg_quality=quality)
+    return wire.encode_trajectories(
+        spec,
+        actor_id="jpeg/1",
+        seq=1,
+        policy_version=0,
+        incarnation=1,
+        arrays=arrays,
+        episodes=[(1.0, 3)],
+        image_codec="jpeg",
+        jpeg_quality=quality,
+    )
 
 
 def decode(spec, data):
@@ -88,8 +97,9 @@ def test_round_trip_within_jpeg_error(spec):
     data = encode(spec, arrays)
     msg, dest = decode(spec, data)
     image = spec.fields[0].name
-    assert {name: codec for name, (codec, _) in msg.fields.items()} == {f.name: "jpeg" if f.name == image else "lz4"
-                                                                        for f in spec.fields}
+    assert {name: codec for name, (codec, _) in msg.fields.items()} == {
+        f.name: "jpeg" if f.name == image else "lz4" for f in spec.fields
+    }
     err = np.abs(dest[image].astype(np.int16) - arrays[image])
     assert err.mean() < 0.5 and err.max() <= 24, (err.mean(), err.max())  # PongLike at quality 90: 0.23 and 14
     for name, a in arrays.items():
@@ -100,8 +110,10 @@ def test_round_trip_within_jpeg_error(spec):
 
 def test_higher_quality_is_closer():
     arrays = honest(FRAMES, 2)
-    errors = [np.abs(decode(FRAMES, encode(FRAMES, arrays, q))[1]["frames"].astype(np.int16)
-                     - arrays["frames"]).mean() for q in (50, 90, 100)]
+    errors = [
+        np.abs(decode(FRAMES, encode(FRAMES, arrays, q))[1]["frames"].astype(np.int16) - arrays["frames"]).mean()
+        for q in (50, 90, 100)
+    ]
     assert errors[0] > errors[1] > errors[2], errors
 
 
@@ -114,8 +126,12 @@ def test_a_payload_built_from_the_doc_alone():
     arrays["obs"] = np.broadcast_to(np.linspace(0, 255, 8, dtype=np.uint8), arrays["obs"].shape).copy()
     tall = arrays["obs"].reshape(-1, 8, 1)  # 15 planes of 9000 x 8, one under the other
     per = 65500 // 9000 * 9000  # 7 planes a piece: pieces of 7, 7 and 1 planes
-    pieces = [simplejpeg.encode_jpeg(np.ascontiguousarray(tall[r:r + per]), quality=95, colorspace="GRAY",
-                                     colorsubsampling="Gray") for r in range(0, len(tall), per)]
+    pieces = [
+        simplejpeg.encode_jpeg(
+            np.ascontiguousarray(tall[r : r + per]), quality=95, colorspace="GRAY", colorsubsampling="Gray"
+        )
+        for r in range(0, len(tall), per)
+    ]
     assert len(pieces) == 3
     msg, dest = decode(spec, patched(encode(spec, arrays), "obs", with_pieces(pieces)))
     want = np.concatenate([simplejpeg.decode_jpeg(p, colorspace="GRAY") for p in pieces]).reshape(dest["obs"].shape)
@@ -129,8 +145,15 @@ def test_jpeg_only_for_image_fields(monkeypatch):
     data, frames = encode(FRAMES, arrays), image_payload(encode(FRAMES, arrays))
     assert reason(FRAMES, patched(data, "action", frames)) == "bad_field"  # int32, no image
     assert reason(FRAMES, patched(data, "terminated", frames)) == "bad_field"  # uint8, but no image
-    vector = wire.encode_trajectories(VECTOR, actor_id="a", seq=0, policy_version=0, incarnation=1,
-                                      arrays=random_arrays(VECTOR, 1), image_codec="jpeg")
+    vector = wire.encode_trajectories(
+        VECTOR,
+        actor_id="a",
+        seq=0,
+        policy_version=0,
+        incarnation=1,
+        arrays=random_arrays(VECTOR, 1),
+        image_codec="jpeg",
+    )
     assert msgpack.unpackb(vector)["fields"]["obs"]["codec"] == "lz4"  # the encoder sends what is no image as lz4
     assert reason(VECTOR, patched(vector, "obs", frames)) == "bad_field"  # float32 observations
     monkeypatch.setattr(codecs, "_available", [False])  # a learner without simplejpeg
@@ -169,10 +192,10 @@ def test_dimensions_are_checked_before_decoding(monkeypatch):
     assert reason(FRAMES, patched(data, "frames", other)) == "bad_jpeg_dimensions"
     # A decompression bomb: a valid piece whose frame header claims 65500 x 65500 pixels (4 GB decoded).
     sof = piece.index(b"\xff\xc0")
-    bomb = piece[:sof + 5] + (65500).to_bytes(2, "big") * 2 + piece[sof + 9:]
+    bomb = piece[: sof + 5] + (65500).to_bytes(2, "big") * 2 + piece[sof + 9 :]
     assert codecs.frame_header(bomb) == (65500, 65500)
     assert reason(FRAMES, patched(data, "frames", with_pieces([bomb]))) == "bad_jpeg_dimensions"
-    wide = piece[:sof + 7] + (83).to_bytes(2, "big") + piece[sof + 9:]
+    wide = piece[: sof + 7] + (83).to_bytes(2, "big") + piece[sof + 9 :]
     assert reason(FRAMES, patched(data, "frames", with_pieces([wide]))) == "bad_jpeg_dimensions"
 
 
@@ -183,18 +206,18 @@ def test_headers_other_than_baseline_greyscale_are_refused(monkeypatch):
     sof = piece.index(b"\xff\xc0")
     colour = simplejpeg.encode_jpeg(np.repeat(arrays["frames"].reshape(-1, 84, 1), 3, axis=2), colorspace="RGB")
     cases = {
-        "progressive": piece[:sof + 1] + b"\xc2" + piece[sof + 2:],
-        "arithmetic": piece[:sof + 1] + b"\xc9" + piece[sof + 2:],
-        "12-bit": piece[:sof + 4] + b"\x0c" + piece[sof + 5:],
+        "progressive": piece[: sof + 1] + b"\xc2" + piece[sof + 2 :],
+        "arithmetic": piece[: sof + 1] + b"\xc9" + piece[sof + 2 :],
+        "12-bit": piece[: sof + 4] + b"\x0c" + piece[sof + 5 :],
         "colour": colour,
         "no SOI": b"\x00" + piece[1:],
         "no EOI": piece[:-2],
         "bytes after EOI": piece + b"xyz",
         "scan first": b"\xff\xd8\xff\xda\x00\x08" + bytes(6) + piece[2:],
-        "overrun": piece[:sof + 2] + b"\xff\xff" + piece[sof + 4:],
+        "overrun": piece[: sof + 2] + b"\xff\xff" + piece[sof + 4 :],
         "too many segments": b"\xff\xd8" + b"\xff\xfe\x00\x02" * codecs.MAX_HEADER_SEGMENTS + piece[2:],
-        "truncated header": piece[:sof + 3] + b"\xff\xd9",
-        "two frame headers": piece[:sof] + piece[sof:sof + 13] + piece[sof:],
+        "truncated header": piece[: sof + 3] + b"\xff\xd9",
+        "two frame headers": piece[:sof] + piece[sof : sof + 13] + piece[sof:],
     }
     monkeypatch.setattr(codecs, "jpeg_module", lambda: NoDecoding)
     for name, bad in cases.items():
@@ -206,7 +229,7 @@ def test_corrupt_pictures_are_refused_when_decoded():
     data = encode(FRAMES, arrays)
     piece = image_payload(data)[4:]
     decoder = wire.TrajectoryDecoder(FRAMES)
-    cut = piece[:len(piece) // 2] + b"\xff\xd9"  # header intact, the scan cut short by an end-of-image marker
+    cut = piece[: len(piece) // 2] + b"\xff\xd9"  # header intact, the scan cut short by an end-of-image marker
     msg = decoder.parse(patched(data, "frames", with_pieces([cut])))
     dest = {f.name: np.empty((1, *f.shape), f.dtype) for f in FRAMES.fields}
     with pytest.raises(wire.Rejected) as e:
@@ -263,26 +286,35 @@ def _sof0(rows: int, cols: int, precision: int = 8, components: int = 1) -> byte
 
 HONEST_PIECE = image_payload(SMALL_SEEDS[0])[4:]
 _segment = st.one_of(
-    st.tuples(st.sampled_from([0xE0, 0xDB, 0xC4, 0xDD, 0xFE, 0xC2, 0xC9, 0xDA, 0xD9, 0x01, 0xFF]),
-              st.binary(max_size=40)),
-    st.tuples(st.just(0xC0), st.one_of(  # frame headers: right, wrong or absurd dimensions; other precisions
-        st.just(_sof0(5 * 16, 24)),
-        st.builds(_sof0, st.integers(0, 65535), st.integers(0, 65535), st.sampled_from([8, 12]),
-                  st.sampled_from([1, 3])))),
+    st.tuples(
+        st.sampled_from([0xE0, 0xDB, 0xC4, 0xDD, 0xFE, 0xC2, 0xC9, 0xDA, 0xD9, 0x01, 0xFF]), st.binary(max_size=40)
+    ),
+    st.tuples(
+        st.just(0xC0),
+        st.one_of(  # frame headers: right, wrong or absurd dimensions; other precisions
+            st.just(_sof0(5 * 16, 24)),
+            st.builds(
+                _sof0, st.integers(0, 65535), st.integers(0, 65535), st.sampled_from([8, 12]), st.sampled_from([1, 3])
+            ),
+        ),
+    ),
     st.tuples(st.just(-1), st.sampled_from([seg for seg in HONEST_PIECE.split(b"\xff")[1:6]])),  # the honest ones
 )
 
 
 @FUZZ
-@given(segments=st.lists(_segment, max_size=8), tail=st.sampled_from(["honest", "garbage", "none"]),
-       garbage=st.binary(max_size=64))
+@given(
+    segments=st.lists(_segment, max_size=8),
+    tail=st.sampled_from(["honest", "garbage", "none"]),
+    garbage=st.binary(max_size=64),
+)
 def test_pieces_of_arbitrary_segments(segments, tail, garbage):
     """Pieces assembled from marker segments (honest ones, frame headers with any dimensions, scans, markers that
     have no place before a scan) and an honest, garbage or no scan after them: rejected or decoded, nothing else."""
     piece = b"\xff\xd8"
     for marker, body in segments:
         piece += b"\xff" + body if marker == -1 else bytes([0xFF, marker]) + (len(body) + 2).to_bytes(2, "big") + body
-    piece += {"honest": HONEST_PIECE[HONEST_PIECE.index(b"\xff\xda"):], "garbage": garbage, "none": b""}[tail]
+    piece += {"honest": HONEST_PIECE[HONEST_PIECE.index(b"\xff\xda") :], "garbage": garbage, "none": b""}[tail]
     fuzz_decode(patched(SMALL_SEEDS[0], "frames", with_pieces([piece])))
 
 
@@ -315,9 +347,30 @@ def test_train_pong_on_jpeg_frames(tmp_path):
     from procutil import cli, read_metrics, stop, tail
 
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", "--env", "ALE/Pong-v5", "--obs-codec", "jpeg", "--jpeg-quality", "80", "--num-actors", "1",
-               "--envs-per-actor", "2", "--unroll-length", "20", "--batch-size", "2", "--total-env-steps", "200",
-               "--report-interval-s", "0.5", "--logdir", str(logdir), log=log)
+    proc = cli(
+        "train",
+        "--env",
+        "ALE/Pong-v5",
+        "--obs-codec",
+        "jpeg",
+        "--jpeg-quality",
+        "80",
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "2",
+        "--unroll-length",
+        "20",
+        "--batch-size",
+        "2",
+        "--total-env-steps",
+        "200",
+        "--report-interval-s",
+        "0.5",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     try:
         assert proc.wait(120) == 0, tail(log)
     except subprocess.TimeoutExpired:

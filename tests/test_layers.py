@@ -55,7 +55,11 @@ def test_a_file_and_the_flags_typed_beside_it(tmp_path):
     layered, _ = configured(["train", "--config", str(path), "--batch-size", "4"])
     cfg = layered.cfg
     assert (cfg.env.env, cfg.loss.batch_size, cfg.ring.ring_batches, cfg.ring.when_full) == (
-        "MinAtar/Breakout-v1", 4, 16, "wait")
+        "MinAtar/Breakout-v1",
+        4,
+        16,
+        "wait",
+    )
     assert layered.layer("batch_size") == "flag" and layered.layer("ring_batches") == f"file:{path}"
     assert layered.layer("learning_rate") == "default"
     yaml_path = tmp_path / "run.yaml"
@@ -64,13 +68,16 @@ def test_a_file_and_the_flags_typed_beside_it(tmp_path):
     assert (cfg.loss.entropy_cost, cfg.run.seed, cfg.actors.num_actors) == (0.02, 3, 0)  # learner: no local actors
 
 
-@pytest.mark.parametrize("text,error", [
-    ("batch_sise = 8\n", "no configuration field 'batch_sise'"),
-    ('batch_size = "8"\n', "batch_size must be an integer"),
-    ("[loss]\nring_batches = 4\n", "ring_batches belongs to section [ring], not [loss]"),
-    ("batch_size = 0\n", "batch_size must be >= 1"),
-    ("batch_size = \n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text,error",
+    [
+        ("batch_sise = 8\n", "no configuration field 'batch_sise'"),
+        ('batch_size = "8"\n', "batch_size must be an integer"),
+        ("[loss]\nring_batches = 4\n", "ring_batches belongs to section [ring], not [loss]"),
+        ("batch_size = 0\n", "batch_size must be >= 1"),
+        ("batch_size = \n", "not valid TOML"),
+    ],
+)
 def test_a_bad_file_is_refused_in_one_line_naming_the_field(tmp_path, text, error):
     path = tmp_path / "run.toml"
     path.write_text(text)
@@ -98,8 +105,12 @@ def test_a_resolved_config_is_frozen_and_resolution_fills_only_what_was_left_to_
     cfg = LearnerConfig.of(batch_size=4, listen="tcp://127.0.0.1:7000")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.loss.batch_size = 5
-    layered = resolve(Layered(cfg, {"batch_size": "flag", "listen": "flag"}), default_listen="tcp://127.0.0.1:*",
-                      probe=Probe(image_max=1.0, trajectory_nbytes=1 << 20), now=0)
+    layered = resolve(
+        Layered(cfg, {"batch_size": "flag", "listen": "flag"}),
+        default_listen="tcp://127.0.0.1:*",
+        probe=Probe(image_max=1.0, trajectory_nbytes=1 << 20),
+        now=0,
+    )
     got = layered.cfg
     assert got.network.publish == "tcp://127.0.0.1:7001" and layered.layer("publish") == "resolved"
     assert got.network.listen == "tcp://127.0.0.1:7000" and layered.layer("listen") == "flag"
@@ -114,9 +125,19 @@ def test_a_resolved_config_is_frozen_and_resolution_fills_only_what_was_left_to_
 
 def test_every_field_has_one_flag_name_and_the_help_is_grouped_by_section():
     text = cli.build_parser()._subparsers._group_actions[0].choices["train"].format_help()
-    headings = ["run [run]", "environment [env]", "model [model]", "loss and optimiser [loss]",
-                "ring and flow control [ring]", "network [network]", "limits [limits]", "checkpoints [checkpoints]",
-                "observability [observe]", "actors [actors]", "learner ranks [ranks]"]
+    headings = [
+        "run [run]",
+        "environment [env]",
+        "model [model]",
+        "loss and optimiser [loss]",
+        "ring and flow control [ring]",
+        "network [network]",
+        "limits [limits]",
+        "checkpoints [checkpoints]",
+        "observability [observe]",
+        "actors [actors]",
+        "learner ranks [ranks]",
+    ]
     positions = [text.index(h + ":") for h in headings]
     assert positions == sorted(positions), positions
     for name in INDEX:
@@ -133,8 +154,22 @@ def test_the_run_writes_its_config_and_a_second_run_replays_it(tmp_path):
     path.write_text("unroll_length = 10\n[loss]\nbatch_size = 4\n")
     first, second = tmp_path / "first", tmp_path / "second"
     log = tmp_path / "log"
-    proc = run_cli("train", "--config", str(path), "--batch-size", "2", "--num-actors", "1", "--envs-per-actor", "2",
-                   "--total-env-steps", "400", "--logdir", str(first), log=log)
+    proc = run_cli(
+        "train",
+        "--config",
+        str(path),
+        "--batch-size",
+        "2",
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "2",
+        "--total-env-steps",
+        "400",
+        "--logdir",
+        str(first),
+        log=log,
+    )
     try:
         assert proc.wait(120) == 0, tail(log)
     except subprocess.TimeoutExpired:
@@ -170,9 +205,12 @@ def test_actor_options_come_from_one_source():
     assert LearnerConfig().actors.options() == ActorOptions()
     parsed = cli.build_parser().parse_args(["actor", "--learner", "tcp://127.0.0.1:5555"])
     assert cli._section(ActorOptions, parsed) == ActorOptions()
-    options = dataclasses.replace(LearnerConfig.of(actor_device="cuda:1", envs_per_actor=3, actor_codec="none",
-                                                   heartbeat_timeout_s=7.5).actors.options())
+    options = dataclasses.replace(
+        LearnerConfig.of(
+            actor_device="cuda:1", envs_per_actor=3, actor_codec="none", heartbeat_timeout_s=7.5
+        ).actors.options()
+    )
     argv = actor_argv("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", 2, 9, seed=4, options=options)
-    args = cli.build_parser().parse_args(argv[argv.index("actor"):])
+    args = cli.build_parser().parse_args(argv[argv.index("actor") :])
     assert cli._section(ActorOptions, args) == options
     assert (args.index, args.seed, args.heartbeat_fd, args.metrics_port) == (2, 4, 9, 0)

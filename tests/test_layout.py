@@ -10,10 +10,18 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "impala_async"
 # What each subpackage may import from the package (besides itself).
-ALLOWED = {"core": set(), "config": {"core"}, "ops": {"core"}, "actors": {"core", "config", "ops"},
-           "learner": {"core", "config", "ops", "actors"}}
-FORBIDDEN_THIRD_PARTY = {"core": {"zmq", "asyncio", "uvloop"}, "ops": {"asyncio", "uvloop", "torch"},
-                         "config": {"zmq", "asyncio", "uvloop", "torch", "numpy"}}
+ALLOWED = {
+    "core": set(),
+    "config": {"core"},
+    "ops": {"core"},
+    "actors": {"core", "config", "ops"},
+    "learner": {"core", "config", "ops", "actors"},
+}
+FORBIDDEN_THIRD_PARTY = {
+    "core": {"zmq", "asyncio", "uvloop"},
+    "ops": {"asyncio", "uvloop", "torch"},
+    "config": {"zmq", "asyncio", "uvloop", "torch", "numpy"},
+}
 
 
 def imports(path: Path) -> list[tuple[str, int]]:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from helpers import random_arrays
 
+from impala_async.config import LearnerConfig
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner.learn import Learner
-from impala_async.config import LearnerConfig
 
 
 def _spec(env_id: str, T: int = 12) -> TrajectorySpec:

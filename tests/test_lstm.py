@@ -27,17 +27,22 @@ T, K, H = 50, 4, 32  # unroll length (the 50-100 the article recommends), enviro
 
 
 def test_the_learner_reproduces_the_actors_logits_from_the_carried_state(tmp_path):
-    spec = TrajectorySpec(obs_shape=(4, 10, 10), obs_dtype="uint8", num_actions=3, unroll_length=T,
-                          core_state_size=H)
+    spec = TrajectorySpec(obs_shape=(4, 10, 10), obs_dtype="uint8", num_actions=3, unroll_length=T, core_state_size=H)
     cfg = ModelConfig.minatar(input_scale=1.0, lstm_size=H)
     torch.manual_seed(0)
     net = build_model(spec, cfg).eval()
     with torch.no_grad():
         for p in net.parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": "MinAtar/Breakout-v1", "env_kwargs": {},
-                "spec": spec.to_dict(), "model": cfg.to_dict(), "max_trajectories_per_message": K,
-                "max_message_bytes": 16 << 20}
+    run_info = {
+        "protocol": wire.PROTOCOL_VERSION,
+        "env_id": "MinAtar/Breakout-v1",
+        "env_kwargs": {},
+        "spec": spec.to_dict(),
+        "model": cfg.to_dict(),
+        "max_trajectories_per_message": K,
+        "max_message_bytes": 16 << 20,
+    }
     weights = wire.encode_weights(0, {k: v.numpy() for k, v in net.state_dict().items()}, run_info, incarnation=7)
     port = free_port_pair()
     ctx = zmq.Context()
@@ -72,8 +77,7 @@ def test_the_learner_reproduces_the_actors_logits_from_the_carried_state(tmp_pat
         state, starts = recurrent_inputs(batch)
         with torch.no_grad():
             logits, _ = net.unroll(batch["obs"], state, starts)  # [T+1, K, A]
-        np.testing.assert_allclose(logits[:T].transpose(0, 1).numpy(), arrays["behaviour_logits"], rtol=1e-5,
-                                   atol=1e-5)
+        np.testing.assert_allclose(logits[:T].transpose(0, 1).numpy(), arrays["behaviour_logits"], rtol=1e-5, atol=1e-5)
         boundaries += int(starts[:, 1:T].sum())
         if i + 1 < len(messages):  # the next unroll starts from where this one left off, reset if an episode ended
             h, c = state

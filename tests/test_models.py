@@ -38,8 +38,10 @@ def test_deep_network_is_the_papers(lstm):
     net = build_model(ATARI, ModelConfig.deep(lstm_size=lstm))
     assert sum(p.numel() for p in net.parameters()) == impala_paper_parameters(4, 6, lstm)
     shapes = []
-    hooks = [stage.pool.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.shape[1:])))
-             for stage in net.stages]
+    hooks = [
+        stage.pool.register_forward_hook(lambda _m, _i, out: shapes.append(tuple(out.shape[1:])))
+        for stage in net.stages
+    ]
     obs = torch.randint(0, 256, (5, 4, 84, 84), dtype=torch.uint8)
     with torch.no_grad():
         features, _ = net.features(obs)

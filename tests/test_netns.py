@@ -43,8 +43,18 @@ METRICS_PORT = 9481  # on the learner namespace's loopback
 OUTAGE_S = 20.0  # how long host-a's link stays down
 SETTLE_S = 2.0  # after the link goes down, what was already on its way may still be counted
 MIN_TRAJECTORIES = 20  # "contributes": at least this many accepted trajectories (200 env steps) in a phase
-LEARNER_FLAGS = ["--env", "CartPole-v1", "--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.25",
-                 "--total-env-steps", "100000000"]
+LEARNER_FLAGS = [
+    "--env",
+    "CartPole-v1",
+    "--unroll-length",
+    "10",
+    "--batch-size",
+    "4",
+    "--report-interval-s",
+    "0.25",
+    "--total-env-steps",
+    "100000000",
+]
 ACTOR_FLAGS = ["--num-actors", "1", "--envs-per-actor", "2"]
 _CLI = Path(sys.executable).with_name("impala-async")
 CLI = [str(_CLI)] if _CLI.exists() else [sys.executable, "-m", "impala_async"]
@@ -67,8 +77,13 @@ class Lab:
     def start(self, host: str, *args, log: str) -> subprocess.Popen:
         path = self.root / log
         with open(path, "w") as out:
-            proc = subprocess.Popen(self.net.argv(host, *CLI, *map(str, args)), stdout=out, stderr=subprocess.STDOUT,
-                                    env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=_die_with_test)
+            proc = subprocess.Popen(
+                self.net.argv(host, *CLI, *map(str, args)),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                preexec_fn=_die_with_test,
+            )
         self.procs.append((proc, path))
         return proc
 
@@ -104,8 +119,11 @@ def lab(tmp_path):
     finally:
         left = lab.close()
         names = set(net.ns.values()) | {net.switch}
-        listed = {line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                                              text=True).stdout.splitlines() if line.strip()}
+        listed = {
+            line.split()[0]
+            for line in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
+            if line.strip()
+        }
         assert not left and not names & listed, f"namespaces left behind: {sorted(names & listed)}"
 
 
@@ -159,10 +177,15 @@ def scrape_by_key(net: Network) -> dict[str, float]:
     """impala_async_trajectories_by_key_total by key, from the learner's /metrics (on its namespace's loopback)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = net.call_in("learner", lambda: urllib.request.urlopen(
-        f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).read().decode())
-    return {s.labels["key"]: s.value for family in text_string_to_metric_families(text)
-            for s in family.samples if s.name == "impala_async_trajectories_by_key_total"}
+    text = net.call_in(
+        "learner", lambda: urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).read().decode()
+    )
+    return {
+        s.labels["key"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "impala_async_trajectories_by_key_total"
+    }
 
 
 def listening_line(log: Path) -> str:
@@ -199,12 +222,33 @@ def test_actor_hosts_through_a_link_outage_and_a_learner_restart(lab, tmp_path):
 
     try:
         keys = make_keys(tmp_path / "keys")
-        procs["learner"] = lab.start("learner", "learner", *LEARNER_FLAGS, "--listen", LISTEN, "--curve-keys",
-                                     keys["learner"], "--logdir", logdir, "--metrics-port", METRICS_PORT,
-                                     log="learner.log")
+        procs["learner"] = lab.start(
+            "learner",
+            "learner",
+            *LEARNER_FLAGS,
+            "--listen",
+            LISTEN,
+            "--curve-keys",
+            keys["learner"],
+            "--logdir",
+            logdir,
+            "--metrics-port",
+            METRICS_PORT,
+            log="learner.log",
+        )
         for i, host in enumerate(ACTOR_HOSTS):
-            procs[host] = lab.start(host, "actor", "--learner", LISTEN, "--curve-keys", keys[host], "--seed", i,
-                                    *ACTOR_FLAGS, log=f"actor-{host}.log")
+            procs[host] = lab.start(
+                host,
+                "actor",
+                "--learner",
+                LISTEN,
+                "--curve-keys",
+                keys[host],
+                "--seed",
+                i,
+                *ACTOR_FLAGS,
+                log=f"actor-{host}.log",
+            )
         pids = {host: procs[host].pid for host in ACTOR_HOSTS}
         for pid in pids.values():  # the process is the actor itself (ip netns exec execs)
             assert "actor" in psutil.Process(pid).cmdline(), psutil.Process(pid).cmdline()
@@ -231,8 +275,10 @@ def test_actor_hosts_through_a_link_outage_and_a_learner_restart(lab, tmp_path):
         figures["first_trajectory_after_s"] = first_seen
         figures["attached"] = by_key(attached)
         conns = lab.net.established("learner")
-        peers = {port: sorted({peer.rpartition(":")[0] for local, peer in conns if local.endswith(f":{port}")})
-                 for port in (PORT, PORT + 1)}
+        peers = {
+            port: sorted({peer.rpartition(":")[0] for local, peer in conns if local.endswith(f":{port}")})
+            for port in (PORT, PORT + 1)
+        }
         figures["learner_tcp_peers"] = peers
         for port in (PORT, PORT + 1):  # both sockets of both actor hosts, through the bridge
             assert peers[port] == sorted(HOSTS[h] for h in ACTOR_HOSTS), (port, conns)
@@ -246,8 +292,10 @@ def test_actor_hosts_through_a_link_outage_and_a_learner_restart(lab, tmp_path):
             alive()
             samples.append((time.monotonic() - t_down, metrics.last()))
             time.sleep(0.25)
-        tcp = {"learner": {k: v for k, v in lab.net.tcp_info("learner").items() if f" {HOSTS['host-a']}:" in k},
-               "host-a": lab.net.tcp_info("host-a")}  # retransmission backoff of both ends, just before link up
+        tcp = {
+            "learner": {k: v for k, v in lab.net.tcp_info("learner").items() if f" {HOSTS['host-a']}:" in k},
+            "host-a": lab.net.tcp_info("host-a"),
+        }  # retransmission backoff of both ends, just before link up
         lab.net.set_link("host-a", up=True)
         t_up = time.monotonic()
         down = samples[-1][1]
@@ -256,7 +304,9 @@ def test_actor_hosts_through_a_link_outage_and_a_learner_restart(lab, tmp_path):
         for _, r in samples:
             check_counts(r)
         figures["outage"] = {
-            "before": by_key(before), "settled": by_key(settled), "end": by_key(down),
+            "before": by_key(before),
+            "settled": by_key(settled),
+            "end": by_key(down),
             "series_t_a_b": [(round(t, 1), by_key(r)["host-a"], by_key(r)["host-b"]) for t, r in samples[::4]],
             "learner_connections_trajectories": sorted({r["connections_trajectories"] for _, r in samples}),
             "learner_connections_weights": sorted({r["connections_weights"] for _, r in samples}),
@@ -280,17 +330,21 @@ def test_actor_hosts_through_a_link_outage_and_a_learner_restart(lab, tmp_path):
 
         back = wait_until(host_a_counts, 60, "host-a to contribute again after its link came back")
         resumed_s = time.monotonic() - t_up
-        carrying_on = wait_until(lambda: (r := metrics.last()) and
-                                 by_key(r)["host-a"] >= stuck_at + MIN_TRAJECTORIES and r, 30,
-                                 f"host-a to contribute {MIN_TRAJECTORIES} more")
+        carrying_on = wait_until(
+            lambda: (r := metrics.last()) and by_key(r)["host-a"] >= stuck_at + MIN_TRAJECTORIES and r,
+            30,
+            f"host-a to contribute {MIN_TRAJECTORIES} more",
+        )
         check_counts(carrying_on)
         cuts = {k: v for k, v in carrying_on.items() if k.startswith("connections_cut_") and v}
         figures["after_outage"] = {
             "learner_receives_again_after_link_up_s": round(flowing[0], 2),
             "first_count_after_link_up_s": round(resumed_s, 2),
             f"{MIN_TRAJECTORIES}_more_after_link_up_s": round(time.monotonic() - t_up, 2),
-            "first": by_key(back), "later": by_key(carrying_on),
-            "learner_subscriptions": carrying_on["subscriptions"], "dropped_stale": carrying_on["dropped_stale"],
+            "first": by_key(back),
+            "later": by_key(carrying_on),
+            "learner_subscriptions": carrying_on["subscriptions"],
+            "dropped_stale": carrying_on["dropped_stale"],
             "connections_cut": cuts,
         }
         assert procs["host-a"].poll() is None and procs["host-a"].pid == pids["host-a"]
@@ -315,8 +369,9 @@ def test_actor_hosts_through_a_link_outage_and_a_learner_restart(lab, tmp_path):
             assert procs[host].poll() is None, f"{host} exited with the learner\n{lab.logs()}"
 
         t_restart = time.monotonic()
-        procs["learner"] = lab.start("learner", "learner", "--resume", logdir, "--metrics-port", METRICS_PORT,
-                                     log="learner2.log")
+        procs["learner"] = lab.start(
+            "learner", "learner", "--resume", logdir, "--metrics-port", METRICS_PORT, log="learner2.log"
+        )
         llog2 = tmp_path / "learner2.log"
         line = wait_until(lambda: listening_line(llog2), 90, "the resumed learner to listen")
         t_listen = time.monotonic()
@@ -341,14 +396,16 @@ def test_actor_hosts_through_a_link_outage_and_a_learner_restart(lab, tmp_path):
             "first_count_after_listening_s": new_seen,
             f"{MIN_TRAJECTORIES}_each_after_sigterm_s": round(time.monotonic() - t_term, 2),
             f"{MIN_TRAJECTORIES}_each_after_listening_s": round(time.monotonic() - t_listen, 2),
-            "counts": by_key(again), "dropped_incarnation": again["dropped_incarnation"],
+            "counts": by_key(again),
+            "dropped_incarnation": again["dropped_incarnation"],
             "learner_steps": [final["learner_steps"], again["learner_steps"]],
         }
         for host in ACTOR_HOSTS:
             assert procs[host].poll() is None and procs[host].pid == pids[host]
             text = (tmp_path / f"actor-{host}.log").read_text()
             assert text.count("actor 0 (") == 1 and "the learner restarted (new incarnation)" in text, tail(
-                tmp_path / f"actor-{host}.log")
+                tmp_path / f"actor-{host}.log"
+            )
 
         scraped = scrape_by_key(lab.net)  # the same counts in Prometheus, at least what the record said
         figures["prometheus_by_key"] = scraped

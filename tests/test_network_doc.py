@@ -25,15 +25,34 @@ from impala_async.core.spec import TrajectorySpec
 
 MAX_BYTES = 64 << 20
 F32 = np.float32
-ACT = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, F32(0)),
-       "elu": lambda x: np.where(x > 0, x, np.expm1(np.minimum(x, 0)))}  # exp(x) - 1 for x <= 0
-NATURE = {"kind": "conv", "input_scale": 0.00392156862745098,  # the page's Atari run.model
-          "conv_layers": [[32, 8, 4, 0], [64, 4, 2, 0], [64, 3, 1, 0]], "fc_size": 512, "activation": "relu",
-          "lstm_size": 0}
-MINATAR = {"kind": "conv", "input_scale": 1.0, "conv_layers": [[16, 3, 1, 0]], "fc_size": 128, "activation": "relu",
-           "lstm_size": 0}
-DEEP = {"kind": "deep", "input_scale": 0.00392156862745098, "stages": [[16, 2], [32, 2], [32, 2]], "fc_size": 256,
-        "lstm_size": 0}
+ACT = {
+    "tanh": np.tanh,
+    "relu": lambda x: np.maximum(x, F32(0)),
+    "elu": lambda x: np.where(x > 0, x, np.expm1(np.minimum(x, 0))),
+}  # exp(x) - 1 for x <= 0
+NATURE = {
+    "kind": "conv",
+    "input_scale": 0.00392156862745098,  # the page's Atari run.model
+    "conv_layers": [[32, 8, 4, 0], [64, 4, 2, 0], [64, 3, 1, 0]],
+    "fc_size": 512,
+    "activation": "relu",
+    "lstm_size": 0,
+}
+MINATAR = {
+    "kind": "conv",
+    "input_scale": 1.0,
+    "conv_layers": [[16, 3, 1, 0]],
+    "fc_size": 128,
+    "activation": "relu",
+    "lstm_size": 0,
+}
+DEEP = {
+    "kind": "deep",
+    "input_scale": 0.00392156862745098,
+    "stages": [[16, 2], [32, 2], [32, 2]],
+    "fc_size": 256,
+    "lstm_size": 0,
+}
 
 
 # ---------------------------------------------------------------------------------- from the page, numpy only
@@ -42,8 +61,12 @@ def expected_shapes(model: dict, obs_shape, num_actions: int) -> dict[str, tuple
     A = num_actions
     if model["kind"] == "mlp":
         h = [int(np.prod(obs_shape)), *model["hidden_sizes"]]
-        out = {f"{torso}.{2 * i}.{p}": (h[i + 1], h[i]) if p == "weight" else (h[i + 1],)
-               for torso in ("policy_torso", "value_torso") for i in range(len(h) - 1) for p in ("weight", "bias")}
+        out = {
+            f"{torso}.{2 * i}.{p}": (h[i + 1], h[i]) if p == "weight" else (h[i + 1],)
+            for torso in ("policy_torso", "value_torso")
+            for i in range(len(h) - 1)
+            for p in ("weight", "bias")
+        }
         width = h[-1]
     elif model["kind"] == "deep":
         c, H, W = obs_shape
@@ -67,11 +90,23 @@ def expected_shapes(model: dict, obs_shape, num_actions: int) -> dict[str, tuple
         out["fc.0.weight"], out["fc.0.bias"] = (width, c * H * W), (width,)
     L = model.get("lstm_size", 0)
     if L:
-        out.update({"core.weight_ih": (4 * L, width), "core.weight_hh": (4 * L, L), "core.bias_ih": (4 * L,),
-                    "core.bias_hh": (4 * L,)})
+        out.update(
+            {
+                "core.weight_ih": (4 * L, width),
+                "core.weight_hh": (4 * L, L),
+                "core.bias_ih": (4 * L,),
+                "core.bias_hh": (4 * L,),
+            }
+        )
         width = L
-    out.update({"policy_head.weight": (A, width), "policy_head.bias": (A,),
-                "value_head.weight": (1, width), "value_head.bias": (1,)})
+    out.update(
+        {
+            "policy_head.weight": (A, width),
+            "policy_head.bias": (A,),
+            "value_head.weight": (1, width),
+            "value_head.bias": (1,),
+        }
+    )
     return out
 
 
@@ -169,8 +204,9 @@ def deep_forward(model, t, obs, mutant, state):
 
 # ---------------------------------------------------------------------------------- the torch side
 def _mlp(obs_shape, hidden, activation, A=5):
-    return TrajectorySpec(obs_shape=obs_shape, obs_dtype="float32", num_actions=A, unroll_length=4), \
-        ModelConfig(hidden_sizes=hidden, activation=activation)
+    return TrajectorySpec(obs_shape=obs_shape, obs_dtype="float32", num_actions=A, unroll_length=4), ModelConfig(
+        hidden_sizes=hidden, activation=activation
+    )
 
 
 def _conv(obs_shape, A, model: dict | None = None):
@@ -179,20 +215,35 @@ def _conv(obs_shape, A, model: dict | None = None):
 
 
 CASES = {
-    **{f"mlp-{act}-{'x'.join(map(str, hidden))}": _mlp(shape, hidden, act)
-       for act in ("tanh", "relu", "elu") for shape, hidden in (((4,), (64, 64)), ((3, 5), (16, 8, 24)))},
+    **{
+        f"mlp-{act}-{'x'.join(map(str, hidden))}": _mlp(shape, hidden, act)
+        for act in ("tanh", "relu", "elu")
+        for shape, hidden in (((4,), (64, 64)), ((3, 5), (16, 8, 24)))
+    },
     "conv-atari": _conv((4, 84, 84), 6),
     "conv-small-image": _conv((3, 44, 52), 4),  # 64 x 2 x 3 after the convolutions
-    "conv-padded-elu": _conv((2, 11, 9), 3, {"kind": "conv", "input_scale": 1 / 255, "conv_layers": [
-        [8, 3, 1, 1], [16, 3, 2, 1]], "fc_size": 32, "activation": "elu", "lstm_size": 0}),
+    "conv-padded-elu": _conv(
+        (2, 11, 9),
+        3,
+        {
+            "kind": "conv",
+            "input_scale": 1 / 255,
+            "conv_layers": [[8, 3, 1, 1], [16, 3, 2, 1]],
+            "fc_size": 32,
+            "activation": "elu",
+            "lstm_size": 0,
+        },
+    ),
     "conv-minatar": _conv((4, 10, 10), 3, MINATAR),
     "conv-minatar-lstm": _conv((6, 10, 10), 5, {**MINATAR, "lstm_size": 24}),
     "deep-atari": _conv((4, 84, 84), 6, DEEP),
     "deep-small-lstm": _conv((3, 13, 10), 4, {**DEEP, "stages": [[8, 1], [12, 2]], "fc_size": 32, "lstm_size": 16}),
 }
-MUTANTS = {"mlp": ("no_last_activation", "shared_torso"),
-           "conv": ("no_last_activation", "flatten_hwc", "flipped_kernel", "no_input_scale"),
-           "deep": ("relu_before_pool", "pool_unpadded", "no_skip")}
+MUTANTS = {
+    "mlp": ("no_last_activation", "shared_torso"),
+    "conv": ("no_last_activation", "flatten_hwc", "flipped_kernel", "no_input_scale"),
+    "deep": ("relu_before_pool", "pool_unpadded", "no_skip"),
+}
 LSTM_MUTANTS = ("gate_order",)
 
 
@@ -205,7 +256,7 @@ def _published(name: str, seed: int = 0):
     with torch.no_grad():
         for p in net.parameters():  # about the init's own scale, biases included, heads made to matter
             fan_in = p[0].numel() if p.dim() > 1 else 10
-            p.add_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+            p.add_(torch.randn(p.shape, generator=g) / fan_in**0.5)
     run_info = {"protocol": wire.PROTOCOL_VERSION, "spec": spec.to_dict(), "model": cfg.resolved(spec).to_dict()}
     tensors = {k: v.numpy() for k, v in net.state_dict().items()}
     # encode_weights gained an incarnation argument while this test was written; pass one when it takes it
@@ -264,10 +315,15 @@ def test_numpy_forward_from_doc_matches_torch(name):
             state = want[2]
 
 
-@pytest.mark.parametrize("name,mutant", [(name, m) for name, (spec, cfg) in CASES.items()
-                                         for m in MUTANTS[cfg.resolved(spec).kind]
-                                         + (LSTM_MUTANTS if cfg.resolved(spec).lstm_size else ())
-                                         if not (m == "no_input_scale" and cfg.resolved(spec).input_scale == 1)])
+@pytest.mark.parametrize(
+    "name,mutant",
+    [
+        (name, m)
+        for name, (spec, cfg) in CASES.items()
+        for m in MUTANTS[cfg.resolved(spec).kind] + (LSTM_MUTANTS if cfg.resolved(spec).lstm_size else ())
+        if not (m == "no_input_scale" and cfg.resolved(spec).input_scale == 1)
+    ],
+)
 def test_the_check_can_fail(name, mutant):
     """A misreading of the page gives other logits or values: the match above is not vacuous."""
     spec, net, msg = _published(name)
@@ -304,27 +360,30 @@ def test_from_dict_rebuilds_the_same_network(name):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("model,match", [
-    ({"kind": "lstm", "hidden_sizes": [64]}, "unknown model kind 'lstm'"),
-    ({**DEEP, "stages": [[16, 2, 1]]}, "channels, residual blocks"),
-    ({**DEEP, "conv_layers": [[16, 3, 1, 0]]}, "unknown key"),
-    ({**NATURE, "lstm_size": -1}, "lstm_size"),
-    ({k: v for k, v in NATURE.items() if k != "lstm_size"}, "missing lstm_size"),
-    ({"kind": "auto", "hidden_sizes": [64], "activation": "tanh"}, "unknown model kind 'auto'"),
-    ({"hidden_sizes": [64], "activation": "tanh"}, "unknown model kind None"),
-    ({"kind": "conv", "hidden_sizes": [64, 64], "activation": "tanh"}, "missing.*unknown key.*'hidden_sizes'"),
-    ({**NATURE, "dropout": 0.1}, "unknown key.*'dropout'"),
-    ({"kind": "mlp", "hidden_sizes": [64, 64]}, "missing activation"),
-    ({"kind": "mlp", "hidden_sizes": [64, 64], "activation": "gelu"}, "activation"),
-    ({"kind": "mlp", "hidden_sizes": [], "activation": "tanh"}, "hidden_sizes"),
-    ({"kind": "mlp", "hidden_sizes": [64, True], "activation": "tanh"}, "hidden_sizes"),
-    ({"kind": "mlp", "hidden_sizes": "64,64", "activation": "tanh"}, "hidden_sizes"),
-    ({**NATURE, "conv_layers": [[32, 8, 4]]}, "out_channels, kernel, stride, padding"),
-    ({**NATURE, "conv_layers": [[32, 8, 0, 0]]}, "stride"),
-    ({**NATURE, "fc_size": 512.0}, "fc_size"),
-    ({**NATURE, "input_scale": float("nan")}, "input_scale"),
-    ([("kind", "mlp")], "must be a map"),
-])
+@pytest.mark.parametrize(
+    "model,match",
+    [
+        ({"kind": "lstm", "hidden_sizes": [64]}, "unknown model kind 'lstm'"),
+        ({**DEEP, "stages": [[16, 2, 1]]}, "channels, residual blocks"),
+        ({**DEEP, "conv_layers": [[16, 3, 1, 0]]}, "unknown key"),
+        ({**NATURE, "lstm_size": -1}, "lstm_size"),
+        ({k: v for k, v in NATURE.items() if k != "lstm_size"}, "missing lstm_size"),
+        ({"kind": "auto", "hidden_sizes": [64], "activation": "tanh"}, "unknown model kind 'auto'"),
+        ({"hidden_sizes": [64], "activation": "tanh"}, "unknown model kind None"),
+        ({"kind": "conv", "hidden_sizes": [64, 64], "activation": "tanh"}, "missing.*unknown key.*'hidden_sizes'"),
+        ({**NATURE, "dropout": 0.1}, "unknown key.*'dropout'"),
+        ({"kind": "mlp", "hidden_sizes": [64, 64]}, "missing activation"),
+        ({"kind": "mlp", "hidden_sizes": [64, 64], "activation": "gelu"}, "activation"),
+        ({"kind": "mlp", "hidden_sizes": [], "activation": "tanh"}, "hidden_sizes"),
+        ({"kind": "mlp", "hidden_sizes": [64, True], "activation": "tanh"}, "hidden_sizes"),
+        ({"kind": "mlp", "hidden_sizes": "64,64", "activation": "tanh"}, "hidden_sizes"),
+        ({**NATURE, "conv_layers": [[32, 8, 4]]}, "out_channels, kernel, stride, padding"),
+        ({**NATURE, "conv_layers": [[32, 8, 0, 0]]}, "stride"),
+        ({**NATURE, "fc_size": 512.0}, "fc_size"),
+        ({**NATURE, "input_scale": float("nan")}, "input_scale"),
+        ([("kind", "mlp")], "must be a map"),
+    ],
+)
 def test_unknown_or_malformed_run_model_is_refused(model, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_dict(model)

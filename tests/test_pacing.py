@@ -83,8 +83,16 @@ def test_a_message_larger_than_the_target_is_the_target():
 
 
 # ------------------------------------------------------------------------------------- the loop, simulated
-def simulate(pace: bool, unroll_s: list[float], trajectories: int, update_s: float, batch: int = 16,
-             capacity: int = 128, seconds: float = 60.0, dt: float = 0.001) -> dict:
+def simulate(
+    pace: bool,
+    unroll_s: list[float],
+    trajectories: int,
+    update_s: float,
+    batch: int = 16,
+    capacity: int = 128,
+    seconds: float = 60.0,
+    dt: float = 0.001,
+) -> dict:
     """A learner taking ``batch`` trajectories per ``update_s`` from a ring of ``capacity`` (overflow dropped, as
     drop_oldest does) and publishing a pace after every update; actors that act an unroll of ``trajectories`` in
     ``unroll_s[i]`` and, before the next, wait for the pace they last received. Independent of the server's code
@@ -122,8 +130,13 @@ def simulate(pace: bool, unroll_s: list[float], trajectories: int, update_s: flo
                 if fed_at is not None and t > 5.0:  # starved once data had flowed, after a warm-up
                     starved += dt
         t += dt
-    return {"dropped_fraction": dropped / max(1, produced), "starved_fraction": starved / (seconds - 5.0),
-            "consumed_per_s": consumed / seconds, "max_waiting": max_waiting, "pace": published}
+    return {
+        "dropped_fraction": dropped / max(1, produced),
+        "starved_fraction": starved / (seconds - 5.0),
+        "consumed_per_s": consumed / seconds,
+        "max_waiting": max_waiting,
+        "pace": published,
+    }
 
 
 @pytest.mark.parametrize("unroll_s", [[0.02], [0.01, 0.03], [0.02] * 4])
@@ -145,8 +158,17 @@ def test_pacing_costs_nothing_when_the_actors_are_the_bottleneck():
     assert paced["consumed_per_s"] >= 0.98 * free["consumed_per_s"], (paced, free)
 
 
-def simulate_ranks(ranks: int, pacer_ranks: int, unroll_s: list[float], trajectories: int, update_s: float,
-                   batch: int = 16, capacity: int = 128, seconds: float = 20.0, dt: float = 0.001) -> dict:
+def simulate_ranks(
+    ranks: int,
+    pacer_ranks: int,
+    unroll_s: list[float],
+    trajectories: int,
+    update_s: float,
+    batch: int = 16,
+    capacity: int = 128,
+    seconds: float = 20.0,
+    dt: float = 0.001,
+) -> dict:
     """A learner of ``ranks`` ranks in lock step (an update takes ``batch`` from every rank's ring, and waits until each
     has one) whose rank 0 alone paces, from its own ring and arrivals, with ``Pacer(ranks=pacer_ranks)``; actors send
     each unroll as one message to the ranks in turn (ZeroMQ's PUSH round-robin), starting at different ranks."""
@@ -186,8 +208,12 @@ def simulate_ranks(ranks: int, pacer_ranks: int, unroll_s: list[float], trajecto
         if t > 5.0:
             backlog.append(sum(waiting))
         t += dt
-    return {"dropped_fraction": dropped / max(1, produced), "starved_fraction": starved / (seconds - 5.0),
-            "consumed_per_s": consumed / seconds, "mean_waiting_per_rank": float(np.mean(backlog)) / ranks}
+    return {
+        "dropped_fraction": dropped / max(1, produced),
+        "starved_fraction": starved / (seconds - 5.0),
+        "consumed_per_s": consumed / seconds,
+        "mean_waiting_per_rank": float(np.mean(backlog)) / ranks,
+    }
 
 
 def test_the_pace_is_right_for_several_learner_ranks():
@@ -213,9 +239,15 @@ def _cartpole_weights(pace_s_per_trajectory: float, version: int, k: int) -> byt
     spec = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
     cfg = ModelConfig("mlp", hidden_sizes=(8,), activation="tanh")
     net = build_model(spec, cfg)
-    run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": "CartPole-v1", "env_kwargs": {},
-                "spec": spec.to_dict(), "model": cfg.to_dict(), "max_trajectories_per_message": k,
-                "max_message_bytes": 16 << 20}
+    run_info = {
+        "protocol": wire.PROTOCOL_VERSION,
+        "env_id": "CartPole-v1",
+        "env_kwargs": {},
+        "spec": spec.to_dict(),
+        "model": cfg.to_dict(),
+        "max_trajectories_per_message": k,
+        "max_message_bytes": 16 << 20,
+    }
     tensors = {name: v.detach().numpy() for name, v in net.state_dict().items()}
     return wire.encode_weights(version, tensors, run_info, incarnation=3, pace_s_per_trajectory=pace_s_per_trajectory)
 
@@ -268,9 +300,9 @@ def test_the_weights_message_carries_the_pace():
 
     msg = msgpack.unpackb(_cartpole_weights(0.25, 1, 4))
     assert "pace_s_per_trajectory" in msg and "pace_s_per_trajectory" not in msgpack.unpackb(
-        _cartpole_weights(0.0, 1, 4)), "left out when 0"
+        _cartpole_weights(0.0, 1, 4)
+    ), "left out when 0"
     for bad in (-1.0, math.nan, math.inf, True, "0.1"):
         msg["pace_s_per_trajectory"] = bad
         with pytest.raises(wire.Rejected, match="pace_s_per_trajectory"):
             wire.decode_weights(msgpack.packb(msg, use_bin_type=True), 1 << 20)
-

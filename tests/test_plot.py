@@ -21,8 +21,11 @@ def write_run(directory: Path, scale: float, steps: int = 30) -> Path:
     directory.mkdir(parents=True)
     lines = [json.dumps({"wall_s": 0.5, "env_steps": 0, "episode_return_mean": None})]
     for i in range(1, steps):
-        lines.append(json.dumps({"wall_s": 0.5 * (i + 1), "env_steps": 1000 * i,
-                                 "episode_return_mean": scale * (1 - np.exp(-i / 10))}))
+        lines.append(
+            json.dumps(
+                {"wall_s": 0.5 * (i + 1), "env_steps": 1000 * i, "episode_return_mean": scale * (1 - np.exp(-i / 10))}
+            )
+        )
     (directory / "metrics.jsonl").write_text("\n".join(lines) + '\n{"wall_s": 99, "env_st')
     return directory
 

@@ -3,7 +3,6 @@ real HTTP, and the bounded HTTP server (ops/httpd.py) itself."""
 
 from __future__ import annotations
 
-import dataclasses
 import http.client
 import os
 import re
@@ -20,33 +19,59 @@ import zmq
 from procutil import cli, free_port_pair, stop, tail, wait_for
 from prometheus_client import parser
 
-from impala_async.core import wire
 from impala_async import config
+from impala_async.core import wire
 from impala_async.ops import httpd
 
-FLAGS = ["--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "--unroll-length", "10",
-         "--batch-size", "4", "--report-interval-s", "0.5", "--total-env-steps", "100000000"]
+FLAGS = [
+    "--env",
+    "CartPole-v1",
+    "--num-actors",
+    "1",
+    "--envs-per-actor",
+    "4",
+    "--unroll-length",
+    "10",
+    "--batch-size",
+    "4",
+    "--report-interval-s",
+    "0.5",
+    "--total-env-steps",
+    "100000000",
+]
 
 
 # Families (names without _total; an info metric is exposed as a gauge NAME_info) and their types.
 EXPECTED_TYPES = {
-    "impala_async_env_steps": "counter", "impala_async_env_steps_trained": "counter",
-    "impala_async_learner_steps": "counter", "impala_async_trajectories_received": "counter",
-    "impala_async_trajectories_dropped": "counter", "impala_async_received_bytes": "counter",
-    "impala_async_episodes": "counter", "impala_async_rejected_messages": "counter",
-    "impala_async_checkpoint_failures": "counter", "impala_async_updates_skipped_nonfinite": "counter",
-    "impala_async_policy_lag_versions": "histogram", "impala_async_rho_ratio": "histogram",
-    "impala_async_ring_ready_batches": "gauge", "impala_async_ring_slots": "gauge", "impala_async_connections": "gauge",
-    "impala_async_loop_lag_p99_seconds": "gauge", "impala_async_loss_pg": "gauge", "impala_async_entropy_nats": "gauge",
-    "impala_async_grad_norm": "gauge", "impala_async_episode_return_mean": "gauge",
-    "impala_async_actors_alive": "gauge", "impala_async_run_info": "gauge",
+    "impala_async_env_steps": "counter",
+    "impala_async_env_steps_trained": "counter",
+    "impala_async_learner_steps": "counter",
+    "impala_async_trajectories_received": "counter",
+    "impala_async_trajectories_dropped": "counter",
+    "impala_async_received_bytes": "counter",
+    "impala_async_episodes": "counter",
+    "impala_async_rejected_messages": "counter",
+    "impala_async_checkpoint_failures": "counter",
+    "impala_async_updates_skipped_nonfinite": "counter",
+    "impala_async_policy_lag_versions": "histogram",
+    "impala_async_rho_ratio": "histogram",
+    "impala_async_ring_ready_batches": "gauge",
+    "impala_async_ring_slots": "gauge",
+    "impala_async_connections": "gauge",
+    "impala_async_loop_lag_p99_seconds": "gauge",
+    "impala_async_loss_pg": "gauge",
+    "impala_async_entropy_nats": "gauge",
+    "impala_async_grad_norm": "gauge",
+    "impala_async_episode_return_mean": "gauge",
+    "impala_async_actors_alive": "gauge",
+    "impala_async_run_info": "gauge",
 }
 
 
 def documented(table: str) -> set[str]:
     """Family names docs/metrics.md, Prometheus, lists for the learner or the actor supervisor (without _total)."""
     text = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
-    learner, actors = text[text.index("# Prometheus"):].split("## Actor supervisor")
+    learner, actors = text[text.index("# Prometheus") :].split("## Actor supervisor")
     cells = re.findall(r"^\| (impala_async_[a-z0-9_, ]+) \|", learner if table == "learner" else actors, flags=re.M)
     return {name.removesuffix("_total") for cell in cells for name in cell.split(", ")}
 
@@ -94,16 +119,18 @@ def healthcheck(port: int) -> subprocess.CompletedProcess:
     """`impala-async healthcheck` with the port from the environment only, as the Docker HEALTHCHECK runs it."""
     env = dict(os.environ, IMPALA_ASYNC_METRICS_PORT=str(port))
     env.pop("IMPALA_ASYNC_METRICS_HOST", None)
-    return subprocess.run([sys.executable, "-m", "impala_async", "healthcheck"], env=env, capture_output=True,
-                          text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "impala_async", "healthcheck"], env=env, capture_output=True, text=True, timeout=30
+    )
 
 
 def test_scrapes_move_while_training_and_rejections_count_by_reason(tmp_path):
     port, mport = free_port_pair(), free_port()
     listen = f"tcp://127.0.0.1:{port}"
     log = tmp_path / "log"
-    proc = cli("train", *FLAGS, "--listen", listen, "--metrics-port", str(mport), "--logdir", str(tmp_path / "run"),
-               log=log)
+    proc = cli(
+        "train", *FLAGS, "--listen", listen, "--metrics-port", str(mport), "--logdir", str(tmp_path / "run"), log=log
+    )
     ctx = zmq.Context()
     try:
         wait_for(lambda: get(mport, "/healthz")[0] == 200, 60, "/healthz 200", proc, log)
@@ -113,10 +140,12 @@ def test_scrapes_move_while_training_and_rejections_count_by_reason(tmp_path):
         for name, kind in EXPECTED_TYPES.items():
             assert kinds.get(name) == kind, (name, kinds.get(name))
         assert "impala_async_sps" not in kinds  # a rate: PromQL's rate() of env_steps_total
-        assert exported(first) == documented("learner"), (f"exported, not in docs/metrics.md: "
-                                                          f"{sorted(exported(first) - documented('learner'))}; "
-                                                          f"documented, not exported: "
-                                                          f"{sorted(documented('learner') - exported(first))}")
+        assert exported(first) == documented("learner"), (
+            f"exported, not in docs/metrics.md: "
+            f"{sorted(exported(first) - documented('learner'))}; "
+            f"documented, not exported: "
+            f"{sorted(documented('learner') - exported(first))}"
+        )
         reasons = {s.labels["reason"] for s in first["impala_async_rejected_messages"].samples}
         assert reasons == set(wire.REJECT_REASONS)  # every reason there from the start, at 0
         assert all(s.value == 0 for s in first["impala_async_rejected_messages"].samples)
@@ -131,16 +160,22 @@ def test_scrapes_move_while_training_and_rejections_count_by_reason(tmp_path):
 
         def moved():
             now = scrape(mport)
-            done = (value(now, "impala_async_rejected_messages_total", reason="malformed") >= 3
-                    and value(now, "impala_async_rejected_messages_total", reason="multipart") >= 1
-                    and value(now, "impala_async_env_steps_total") > value(first, "impala_async_env_steps_total")
-                    and value(now, "impala_async_policy_lag_versions_count")
-                    > value(first, "impala_async_policy_lag_versions_count"))
+            done = (
+                value(now, "impala_async_rejected_messages_total", reason="malformed") >= 3
+                and value(now, "impala_async_rejected_messages_total", reason="multipart") >= 1
+                and value(now, "impala_async_env_steps_total") > value(first, "impala_async_env_steps_total")
+                and value(now, "impala_async_policy_lag_versions_count")
+                > value(first, "impala_async_policy_lag_versions_count")
+            )
             return now if done else None
 
         second = wait_for(moved, 30, "the counters to move", proc, log)
-        for name in ("impala_async_trajectories_received_total", "impala_async_received_bytes_total",
-                     "impala_async_learner_steps_total", "impala_async_rho_ratio_count"):
+        for name in (
+            "impala_async_trajectories_received_total",
+            "impala_async_received_bytes_total",
+            "impala_async_learner_steps_total",
+            "impala_async_rho_ratio_count",
+        ):
             assert value(second, name) > value(first, name), name
         assert value(second, "impala_async_rejected_messages_total", reason="replay") == 0
         assert value(second, "impala_async_trajectories_rejected_total") >= 4
@@ -187,9 +222,25 @@ sys.exit(cli.main(sys.argv[3:]))
 def sabotaged(tmp_path, mode: str, mport: int, *flags: str) -> tuple[subprocess.Popen, object]:
     log = tmp_path / f"{mode}.log"
     out = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-c", SABOTAGED_CLI, mode, "5", "train", *FLAGS, "--metrics-port",
-                             str(mport), "--logdir", str(tmp_path / mode), *flags], stdout=out,
-                            stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            SABOTAGED_CLI,
+            mode,
+            "5",
+            "train",
+            *FLAGS,
+            "--metrics-port",
+            str(mport),
+            "--logdir",
+            str(tmp_path / mode),
+            *flags,
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     return proc, log
 
 
@@ -229,8 +280,10 @@ def test_healthz_says_503_when_the_training_thread_dies(tmp_path):
         failed = [body for status, body in after if status == 503]
         # "training thread dead: ..." until the loop has taken the thread's stop request, "shutting down: training
         # failed: ..." from then on (seen: about 60 such answers, 10 ms apart, before the port closed)
-        assert failed and all(("training thread dead" in b or "shutting down: training failed" in b)
-                              and "sabotaged update" in b for b in failed), answers[-20:]
+        assert failed and all(
+            ("training thread dead" in b or "shutting down: training failed" in b) and "sabotaged update" in b
+            for b in failed
+        ), answers[-20:]
         assert answers[-1][0] in (0, 503)
     finally:
         stop(proc)
@@ -241,9 +294,23 @@ def test_a_taken_metrics_port_is_refused_in_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "impala_async", "learner", "--listen",
-                              f"tcp://127.0.0.1:{free_port_pair()}", "--metrics-port", str(port), "--logdir",
-                              str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "impala_async",
+                "learner",
+                "--listen",
+                f"tcp://127.0.0.1:{free_port_pair()}",
+                "--metrics-port",
+                str(port),
+                "--logdir",
+                str(tmp_path / "run"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert out.returncode != 0
     assert f"cannot serve /metrics on 127.0.0.1:{port}" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
@@ -276,8 +343,11 @@ def test_a_resumed_run_serves_where_this_command_says(monkeypatch, tmp_path):
     monkeypatch.setattr(checkpoint, "load_latest", lambda *a, **k: ({"config": saved}, tmp_path / "checkpoint.pt"))
     cfg = configured(["train", "--resume", str(tmp_path)])
     defaults = config.LearnerConfig().observe  # this process's defaults (from its environment at import)
-    assert (cfg.observe.metrics_port, cfg.observe.metrics_host) == (defaults.metrics_port, defaults.metrics_host) \
+    assert (
+        (cfg.observe.metrics_port, cfg.observe.metrics_host)
+        == (defaults.metrics_port, defaults.metrics_host)
         != (1111, "0.0.0.0")
+    )
     assert cfg.loss.batch_size == 7
     assert configured(["train", "--resume", str(tmp_path), "--metrics-port", "3333"]).observe.metrics_port == 3333
 
@@ -289,10 +359,27 @@ def test_actor_supervisor_healthz(tmp_path):
     mport = free_port()
     log = tmp_path / "actors.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1", IMPALA_ASYNC_METRICS_PORT=str(mport))
-    proc = subprocess.Popen([sys.executable, "-m", "impala_async", "actor", "--learner",
-                             f"tcp://127.0.0.1:{free_port_pair()}", "--num-actors", "2", "--envs-per-actor", "1",
-                             "--heartbeat-interval-s", "0.5", "--heartbeat-timeout-s", "5"],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "impala_async",
+            "actor",
+            "--learner",
+            f"tcp://127.0.0.1:{free_port_pair()}",
+            "--num-actors",
+            "2",
+            "--envs-per-actor",
+            "1",
+            "--heartbeat-interval-s",
+            "0.5",
+            "--heartbeat-timeout-s",
+            "5",
+        ],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         status, body = wait_for(lambda: (r := get(mport, "/healthz"))[0] == 200 and r, 60, "/healthz 200", proc, log)
         wait_for(lambda: get(mport, "/healthz")[1].startswith("ok: 2 of 2"), 60, "both actors heartbeating", proc, log)
@@ -321,9 +408,15 @@ def test_actor_supervisor_healthz(tmp_path):
 # ------------------------------------------------------------------------------------------ the HTTP server itself
 @pytest.fixture
 def small_server():
-    server = httpd.HttpServer("127.0.0.1", 0, {"/healthz": lambda: httpd.text(200, "fine"),
-                                               "/boom": lambda: 1 / 0},
-                              max_connections=2, request_timeout_s=1.0, max_request_bytes=1024, name="test")
+    server = httpd.HttpServer(
+        "127.0.0.1",
+        0,
+        {"/healthz": lambda: httpd.text(200, "fine"), "/boom": lambda: 1 / 0},
+        max_connections=2,
+        request_timeout_s=1.0,
+        max_request_bytes=1024,
+        name="test",
+    )
     host, port = server.start()
     yield server, port
     server.close()

@@ -25,17 +25,21 @@ import zmq
 from procutil import cli, descendants, gone, read_metrics, stop, tail, wait_for
 
 from impala_async.actors.endpoints import Endpoints, resolve
+from impala_async.config import LearnerConfig
 from impala_async.core import wire
 from impala_async.learner import checkpoint
 from impala_async.learner.ranks import rank_address
 from impala_async.learner.rankwatch import EXIT_RANK_FAILED
-from impala_async.config import LearnerConfig
 
 
 # ------------------------------------------------------------------------------------------------- addresses
 def test_rank_addresses():
     assert [rank_address("tcp://127.0.0.1:5555", r) for r in range(4)] == [
-        "tcp://127.0.0.1:5555", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "tcp://127.0.0.1:5559"]  # 5556: weights
+        "tcp://127.0.0.1:5555",
+        "tcp://127.0.0.1:5557",
+        "tcp://127.0.0.1:5558",
+        "tcp://127.0.0.1:5559",
+    ]  # 5556: weights
     assert rank_address("tcp://0.0.0.0:*", 3) == "tcp://0.0.0.0:*"
     assert rank_address("ipc:///tmp/l", 1) == "ipc:///tmp/l.rank1"
     with pytest.raises(ValueError):
@@ -121,11 +125,30 @@ def assert_ranks_identical(logdir, ranks: int = 2) -> dict:
 
 def test_two_ranks_learn_cartpole_in_lock_step(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", "--env", "CartPole-v1", "--learner-ranks", "2", "--num-actors", "2", "--report-interval-s",
-               "0.5", "--rank-state-dump", "1", "--logdir", str(logdir), log=log)
+    proc = cli(
+        "train",
+        "--env",
+        "CartPole-v1",
+        "--learner-ranks",
+        "2",
+        "--num-actors",
+        "2",
+        "--report-interval-s",
+        "0.5",
+        "--rank-state-dump",
+        "1",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     try:
-        wait_for(lambda: any((r["episode_return_mean"] or 0) >= 475 for r in read_metrics(logdir)), 240,
-                 "an average return of 475", proc, log)
+        wait_for(
+            lambda: any((r["episode_return_mean"] or 0) >= 475 for r in read_metrics(logdir)),
+            240,
+            "an average return of 475",
+            proc,
+            log,
+        )
         kids = descendants(proc.pid)
         assert len(_rank_pids(proc.pid, 1)) == 1 and len(kids) == 3, kids  # rank 1 and two actors
         t0 = time.monotonic()
@@ -168,12 +191,32 @@ def _free_ports(n: int) -> int:
 def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
     port = _free_ports(3)  # rank 0, weights, rank 1
     logdir, llog, alog, llog2 = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actors.log", tmp_path / "l2"
-    learner = cli("learner", "--env", "CartPole-v1", "--learner-ranks", "2", "--listen", f"tcp://127.0.0.1:{port}",
-                  "--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.5", "--total-env-steps",
-                  "100000000", "--rank-state-dump", "1", "--logdir", str(logdir), log=llog)
+    learner = cli(
+        "learner",
+        "--env",
+        "CartPole-v1",
+        "--learner-ranks",
+        "2",
+        "--listen",
+        f"tcp://127.0.0.1:{port}",
+        "--unroll-length",
+        "10",
+        "--batch-size",
+        "4",
+        "--report-interval-s",
+        "0.5",
+        "--total-env-steps",
+        "100000000",
+        "--rank-state-dump",
+        "1",
+        "--logdir",
+        str(logdir),
+        log=llog,
+    )
     # External actors, given rank 0's address only.
-    actors = cli("actor", "--learner", f"tcp://127.0.0.1:{port}", "--num-actors", "2", "--envs-per-actor", "2",
-                 log=alog)
+    actors = cli(
+        "actor", "--learner", f"tcp://127.0.0.1:{port}", "--num-actors", "2", "--envs-per-actor", "2", log=alog
+    )
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -185,9 +228,16 @@ def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
         assert f"(learner ranks: {' '.join(addresses)})" in llog.read_text()
         assert sub.poll(30_000), "no weights"
         assert wire.decode_weights(sub.recv(), 1 << 30).run_info["trajectory_addresses"] == addresses
-        wait_for(lambda: (r := (read_metrics(logdir) or [{}])[-1]).get("learner_steps", 0) >= 20
-                 and min(r["ranks"]["trajectories_received"]) > 0, 120, "both ranks to receive and train", learner,
-                 llog)
+        wait_for(
+            lambda: (
+                (r := (read_metrics(logdir) or [{}])[-1]).get("learner_steps", 0) >= 20
+                and min(r["ranks"]["trajectories_received"]) > 0
+            ),
+            120,
+            "both ranks to receive and train",
+            learner,
+            llog,
+        )
         [rank1] = _rank_pids(learner.pid, 1)
         t0 = time.monotonic()
         os.kill(rank1, signal.SIGKILL)
@@ -219,8 +269,24 @@ def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL, rank r on cuda:r)")
 def test_two_ranks_on_two_gpus(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", "--env", "CartPole-v1", "--device", "cuda", "--learner-ranks", "2", "--num-actors", "2",
-               "--total-env-steps", "100000", "--rank-state-dump", "1", "--logdir", str(logdir), log=log)
+    proc = cli(
+        "train",
+        "--env",
+        "CartPole-v1",
+        "--device",
+        "cuda",
+        "--learner-ranks",
+        "2",
+        "--num-actors",
+        "2",
+        "--total-env-steps",
+        "100000",
+        "--rank-state-dump",
+        "1",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     try:
         assert proc.wait(300) == 0, tail(log)
     finally:

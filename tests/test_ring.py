@@ -23,8 +23,9 @@ def test_batches_are_views_of_preallocated_storage(cartpole_spec):
     ptrs = {name: t.data_ptr() for name, t in ring.tensors.items()}
     arrays = random_arrays(cartpole_spec, 2)
     decoder = wire.TrajectoryDecoder(cartpole_spec)
-    msg = decoder.parse(wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=4, incarnation=1,
-                                                 arrays=arrays))
+    msg = decoder.parse(
+        wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=4, incarnation=1, arrays=arrays)
+    )
     assert ring.room() == 2
     decoder.decode_into(msg, ring.rows(2))
     ring.commit(2, 4, 100)

@@ -39,8 +39,18 @@ from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
 
 from impala_async.learner import checkpoint
 
-FLAGS = ["--env", "CartPole-v1", "--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.25",
-         "--total-env-steps", "100000000"]
+FLAGS = [
+    "--env",
+    "CartPole-v1",
+    "--unroll-length",
+    "10",
+    "--batch-size",
+    "4",
+    "--report-interval-s",
+    "0.25",
+    "--total-env-steps",
+    "100000000",
+]
 MIB = 1 << 20
 
 
@@ -50,8 +60,17 @@ class Learner:
         self.host = "127.0.0.1"
         self.listen, self.weights = f"tcp://{self.host}:{self.port}", f"tcp://{self.host}:{self.port + 1}"
         self.logdir, self.log = tmp / name, tmp / f"{name}.log"
-        self.proc = cli("learner", *FLAGS, "--listen", self.listen, "--logdir", str(self.logdir), *extra,
-                        log=self.log, preexec_fn=preexec_fn)
+        self.proc = cli(
+            "learner",
+            *FLAGS,
+            "--listen",
+            self.listen,
+            "--logdir",
+            str(self.logdir),
+            *extra,
+            log=self.log,
+            preexec_fn=preexec_fn,
+        )
         self.actor = None
 
     def attach_actor(self, *extra: str) -> None:
@@ -67,13 +86,19 @@ class Learner:
         def check():
             row = self.last()
             return row if row and cond(row) else None
+
         return wait_for(check, timeout_s, what, self.proc, self.log)
 
     def trains_on(self, what: str) -> None:
         """Training goes on and the real actor's messages are accepted."""
         row = self.last()
-        self.wait(lambda r: r["learner_steps"] > row["learner_steps"] + 2
-                  and r["trajectories_received"] > row["trajectories_received"], f"training to go on after {what}")
+        self.wait(
+            lambda r: (
+                r["learner_steps"] > row["learner_steps"] + 2
+                and r["trajectories_received"] > row["trajectories_received"]
+            ),
+            f"training to go on after {what}",
+        )
         assert self.actor.poll() is None, tail(self.actor_log)
 
     def close(self) -> None:
@@ -92,9 +117,17 @@ def ctx():
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory, ctx):
     """A learner without CURVE (loopback) and one real actor, training; small bounds on unread bytes."""
-    learner = Learner(tmp_path_factory.mktemp("plain"), "--max-unread-bytes-per-connection", str(24 * MIB),
-                      "--max-unread-bytes-total", str(48 * MIB), "--publish-interval-s", "1",
-                      "--max-policy-lag", "1000")
+    learner = Learner(
+        tmp_path_factory.mktemp("plain"),
+        "--max-unread-bytes-per-connection",
+        str(24 * MIB),
+        "--max-unread-bytes-total",
+        str(48 * MIB),
+        "--publish-interval-s",
+        "1",
+        "--max-policy-lag",
+        "1000",
+    )
     try:
         learner.attach_actor()
         learner.view = LearnerView(ctx, learner.weights).refresh()
@@ -176,9 +209,13 @@ def test_unfinished_multipart_messages_are_cut(plain):
             t.start()
         for t in threads:
             t.join(60)
-        plain.wait(lambda r: r["connections_cut_unread_bytes"] + r["connections_cut_unread_bytes_total"]
-                   >= before["connections_cut_unread_bytes"] + before["connections_cut_unread_bytes_total"] + 2,
-                   "both attacking connections to be cut")
+        plain.wait(
+            lambda r: (
+                r["connections_cut_unread_bytes"] + r["connections_cut_unread_bytes_total"]
+                >= before["connections_cut_unread_bytes"] + before["connections_cut_unread_bytes_total"] + 2
+            ),
+            "both attacking connections to be cut",
+        )
     assert max(sent) < 600 * MIB, f"an attacker sent {max(sent) / MIB:.0f} MiB without being cut"
     assert rss.grown_mib < 250, f"unfinished multipart messages raised the RSS by {rss.grown_mib:.0f} MiB"
     plain.trains_on("the multipart attack")
@@ -233,14 +270,20 @@ def test_a_rejected_message_counts_nothing_and_its_retry_is_accepted(plain, ctx)
     view = plain.view.refresh()
     s = push(ctx, plain.listen)
     before = plain.last()
-    nan_reward = message(view, actor="retrier", seq=5, episodes=[(1e9, 10)],
-                         edit=lambda a: a["reward"].__setitem__((0, 0), np.nan))
+    nan_reward = message(
+        view, actor="retrier", seq=5, episodes=[(1e9, 10)], edit=lambda a: a["reward"].__setitem__((0, 0), np.nan)
+    )
     s.send(nan_reward)
     row = plain.wait(lambda r: r["rejected_nonfinite"] > before["rejected_nonfinite"], "the NaN message's rejection")
     assert row["episodes"] == before["episodes"] or row["episode_return_mean"] < 1e6, "its episode was counted"
     s.send(message(view.refresh(), actor="retrier", seq=5, episodes=[(3.0, 10)]))  # the honest retry, same seq
-    row = plain.wait(lambda r: r["messages_received"] >= before["messages_received"] + 2
-                     and r["trajectories_received"] > row["trajectories_received"], "the retry to be accepted")
+    row = plain.wait(
+        lambda r: (
+            r["messages_received"] >= before["messages_received"] + 2
+            and r["trajectories_received"] > row["trajectories_received"]
+        ),
+        "the retry to be accepted",
+    )
     assert row["rejected_replay"] == before["rejected_replay"], "the honest retry was taken for a replay"
     assert max(r["episode_return_mean"] or 0 for r in read_metrics(plain.logdir)) < 1e6
 
@@ -249,29 +292,47 @@ def test_a_rejected_message_counts_nothing_and_its_retry_is_accepted(plain, ctx)
         s.send(message(view, actor="clock", seq=i, sent_at_ns=0))
     s.send(message(view, actor="absurd", seq=0, episodes=[(1.7e308, 1)]))
     s.send(message(view, actor="absurd", seq=1, episodes=[(1.0, 1 << 62)]))
-    row = plain.wait(lambda r: r["latency_implausible"] >= before["latency_implausible"] + 200
-                     and r["rejected_bad_header"] >= before["rejected_bad_header"] + 2, "the claims to be judged")
+    row = plain.wait(
+        lambda r: (
+            r["latency_implausible"] >= before["latency_implausible"] + 200
+            and r["rejected_bad_header"] >= before["rejected_bad_header"] + 2
+        ),
+        "the claims to be judged",
+    )
     s.close(linger=5000)  # what is queued is delivered
     later = [r for r in read_metrics(plain.logdir) if r["wall_s"] >= before["wall_s"]]
-    assert all(r["latency_p99_ms"] is None or r["latency_p99_ms"] < 60_000 for r in later), \
+    assert all(r["latency_p99_ms"] is None or r["latency_p99_ms"] < 60_000 for r in later), (
         "a peer's sent_at_ns = 0 entered the latency figures"
+    )
     assert all(r["episode_return_mean"] is not None and r["episode_return_mean"] < 1e6 for r in later)
 
 
 # ---------------------------------------------------------------------------------------- 7. stricter types
-@pytest.mark.parametrize("what,reason,raw_edit,edit", [
-    ("a shape of floats", "bad_field", lambda m: m["fields"]["obs"].update(shape=[11.0, 4.0]), None),
-    ("a nil sent_at_ns", "bad_header", lambda m: m.update(sent_at_ns=None), None),
-    ("terminated and truncated both 1", "inconsistent", None,
-     lambda a: (a["terminated"].__setitem__((0, 3), 1), a["truncated"].__setitem__((0, 3), 1))),
-    ("a truncation value where nothing was cut", "inconsistent", None,
-     lambda a: (a["truncated"].fill(0), a["truncation_value"].__setitem__((0, 2), 0.5))),
-])
+@pytest.mark.parametrize(
+    "what,reason,raw_edit,edit",
+    [
+        ("a shape of floats", "bad_field", lambda m: m["fields"]["obs"].update(shape=[11.0, 4.0]), None),
+        ("a nil sent_at_ns", "bad_header", lambda m: m.update(sent_at_ns=None), None),
+        (
+            "terminated and truncated both 1",
+            "inconsistent",
+            None,
+            lambda a: (a["terminated"].__setitem__((0, 3), 1), a["truncated"].__setitem__((0, 3), 1)),
+        ),
+        (
+            "a truncation value where nothing was cut",
+            "inconsistent",
+            None,
+            lambda a: (a["truncated"].fill(0), a["truncation_value"].__setitem__((0, 2), 0.5)),
+        ),
+    ],
+)
 def test_stricter_types(plain, ctx, what, reason, raw_edit, edit):
     before = plain.last()
     s = push(ctx, plain.listen)
-    s.send(message(plain.view.refresh(), actor=f"strict-{reason}", seq=int(time.time_ns()), raw_edit=raw_edit,
-                   edit=edit))
+    s.send(
+        message(plain.view.refresh(), actor=f"strict-{reason}", seq=int(time.time_ns()), raw_edit=raw_edit, edit=edit)
+    )
     s.close(linger=5000)  # what is queued is delivered
     row = plain.wait(lambda r: r["messages_rejected"] > before["messages_rejected"], f"{what} to be rejected")
     assert row[f"rejected_{reason}"] == before[f"rejected_{reason}"] + 1, what
@@ -291,6 +352,7 @@ def _keys(tmp: Path) -> tuple[Path, Path]:
 
 def cli_argv() -> list[str]:
     import sys
+
     return [sys.executable, "-m", "impala_async"]
 
 
@@ -312,12 +374,17 @@ def test_thousands_of_connections_before_authentication_do_not_end_the_run(tmp_p
             held += connection_flood(learner.host, learner.port, 1200)
             held += connection_flood(learner.host, learner.port + 1, 300)
             learner.trains_on("1,500 unauthenticated connections")
-            newest = wait_for(lambda: [p for p in checkpoint.list_checkpoints(learner.logdir)
-                                       if p.stat().st_mtime > started + 1], 30, "a checkpoint during the attack",
-                              learner.proc, learner.log)
+            newest = wait_for(
+                lambda: [p for p in checkpoint.list_checkpoints(learner.logdir) if p.stat().st_mtime > started + 1],
+                30,
+                "a checkpoint during the attack",
+                learner.proc,
+                learner.log,
+            )
             for port in (learner.port, learner.port + 1):  # a 'HELLO' claiming 2 GiB, before any authentication
-                sent = oversized_frame(learner.host, port, claimed_bytes=2 << 30, total_bytes=200 * MIB,
-                                       mechanism_greeting_only=True)
+                sent = oversized_frame(
+                    learner.host, port, claimed_bytes=2 << 30, total_bytes=200 * MIB, mechanism_greeting_only=True
+                )
                 assert sent < 200 * MIB, f"port {port}: took {sent / MIB:.0f} MiB of an unauthenticated frame"
             row = learner.wait(lambda r: r["connections_cut_max_connections"] > 0, "connections over the cap to be cut")
         assert row["connections_trajectories"] <= 1024 // 2 and row["checkpoint_failures"] == 0, row
@@ -338,23 +405,52 @@ def test_thousands_of_connections_before_authentication_do_not_end_the_run(tmp_p
 # -------------------------------------------- 5 and 8. resume never trusts a checkpoint; 7. the --listen bug
 def test_resume_skips_bad_checkpoints_and_publishes_on_the_new_address(tmp_path, ctx):
     logdir, log = tmp_path / "run", tmp_path / "train.log"
-    proc = cli("train", "--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "2", "--unroll-length", "10",
-               "--batch-size", "4", "--total-env-steps", "2000", "--logdir", str(logdir), log=log)
+    proc = cli(
+        "train",
+        "--env",
+        "CartPole-v1",
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "2",
+        "--unroll-length",
+        "10",
+        "--batch-size",
+        "4",
+        "--total-env-steps",
+        "2000",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     assert proc.wait(120) == 0, tail(log)
     (good,) = checkpoint.list_checkpoints(logdir)
     state = torch.load(good, weights_only=True)
-    steps = int(good.name[len("checkpoint-"):-len(".pt")])
+    steps = int(good.name[len("checkpoint-") : -len(".pt")])
     # Three newer checkpoints, each bad in its own way.
-    nan = {**state, "learner": {**state["learner"], "model": {k: torch.full_like(v, float("nan"))
-                                                            for k, v in state["learner"]["model"].items()}}}
+    nan = {
+        **state,
+        "learner": {
+            **state["learner"],
+            "model": {k: torch.full_like(v, float("nan")) for k, v in state["learner"]["model"].items()},
+        },
+    }
     torch.save(nan, checkpoint.checkpoint_path(logdir, steps + 10))  # NaN weights
     torch.save({"learner": "not a dict"}, checkpoint.checkpoint_path(logdir, steps + 20))  # malformed
     big = {**state, "padding": torch.zeros(1 << 20)}  # 4 MiB: over --max-checkpoint-bytes below
     torch.save(big, checkpoint.checkpoint_path(logdir, steps + 30))
     port = free_port_pair()
     log2 = tmp_path / "resume.log"
-    resumed = cli("learner", "--resume", str(logdir), "--listen", f"tcp://127.0.0.1:{port}", "--max-checkpoint-bytes",
-                  str(2 * MIB), log=log2)
+    resumed = cli(
+        "learner",
+        "--resume",
+        str(logdir),
+        "--listen",
+        f"tcp://127.0.0.1:{port}",
+        "--max-checkpoint-bytes",
+        str(2 * MIB),
+        log=log2,
+    )
     try:
         view = LearnerView(ctx, f"tcp://127.0.0.1:{port + 1}")  # the new --listen's port + 1, not the old run's
         view.refresh(30)

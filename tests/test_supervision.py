@@ -26,29 +26,56 @@ def last(logdir):
 
 def steps_grow(logdir, proc, log, by=5, timeout_s=60):
     start = last(logdir).get("learner_steps", 0)
-    wait_for(lambda: last(logdir).get("learner_steps", 0) >= start + by, timeout_s, "learner steps to grow", proc,
-             log)
+    wait_for(lambda: last(logdir).get("learner_steps", 0) >= start + by, timeout_s, "learner steps to grow", proc, log)
 
 
 def test_killed_and_stopped_actors_are_replaced(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", *SMALL, "--num-actors", "2", "--total-env-steps", "100000000", "--logdir", str(logdir),
-               "--heartbeat-interval-s", "0.5", "--heartbeat-timeout-s", "3", log=log)
+    proc = cli(
+        "train",
+        *SMALL,
+        "--num-actors",
+        "2",
+        "--total-env-steps",
+        "100000000",
+        "--logdir",
+        str(logdir),
+        "--heartbeat-interval-s",
+        "0.5",
+        "--heartbeat-timeout-s",
+        "3",
+        log=log,
+    )
     try:
         wait_for(lambda: last(logdir).get("learner_steps", 0) > 0, 90, "training", proc, log)
         actors = descendants(proc.pid)
         assert len(actors) == 2
         os.kill(actors[0], signal.SIGKILL)  # a crash
-        wait_for(lambda: last(logdir).get("actor_restarts", 0) >= 1 and last(logdir).get("actors_alive") == 2,
-                 60, "the killed actor to be restarted", proc, log)
+        wait_for(
+            lambda: last(logdir).get("actor_restarts", 0) >= 1 and last(logdir).get("actors_alive") == 2,
+            60,
+            "the killed actor to be restarted",
+            proc,
+            log,
+        )
         survivor = actors[1]
         os.kill(survivor, signal.SIGSTOP)  # a hang: alive, silent
         t0 = time.monotonic()
-        wait_for(lambda: not psutil.pid_exists(survivor) or psutil.Process(survivor).status() == "zombie", 30,
-                 "the stopped actor to be killed", proc, log)
+        wait_for(
+            lambda: not psutil.pid_exists(survivor) or psutil.Process(survivor).status() == "zombie",
+            30,
+            "the stopped actor to be killed",
+            proc,
+            log,
+        )
         assert time.monotonic() - t0 < 15, "heartbeat_timeout_s=3 should catch a stopped actor within seconds"
-        wait_for(lambda: last(logdir).get("actor_restarts", 0) >= 2 and last(logdir).get("actors_alive") == 2,
-                 60, "the stopped actor to be replaced", proc, log)
+        wait_for(
+            lambda: last(logdir).get("actor_restarts", 0) >= 2 and last(logdir).get("actors_alive") == 2,
+            60,
+            "the stopped actor to be replaced",
+            proc,
+            log,
+        )
         steps_grow(logdir, proc, log)  # training went on
         assert "silent" in log.read_text()
     finally:
@@ -61,9 +88,29 @@ def test_an_actor_slow_to_build_its_environments_is_not_taken_for_hung(tmp_path)
     that announcement existed it was killed at every start and no trajectory ever arrived."""
     logdir, log = tmp_path / "run", tmp_path / "log"
     slow = ["--env", "impala_async.actors.envs:DifficultyProbe-v0", "--env-kwargs", '{"build_delay_s": 0.6}']
-    proc = cli("train", *slow, "--num-actors", "1", "--envs-per-actor", "8", "--unroll-length", "10",
-               "--batch-size", "4", "--report-interval-s", "0.5", "--total-env-steps", "4000",
-               "--heartbeat-interval-s", "0.5", "--heartbeat-timeout-s", "2", "--logdir", str(logdir), log=log)
+    proc = cli(
+        "train",
+        *slow,
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "8",
+        "--unroll-length",
+        "10",
+        "--batch-size",
+        "4",
+        "--report-interval-s",
+        "0.5",
+        "--total-env-steps",
+        "4000",
+        "--heartbeat-interval-s",
+        "0.5",
+        "--heartbeat-timeout-s",
+        "2",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     try:
         assert proc.wait(120) == 0, tail(log)
     finally:
@@ -75,8 +122,21 @@ def test_an_actor_slow_to_build_its_environments_is_not_taken_for_hung(tmp_path)
 
 def test_all_actors_gone_exits_nonzero(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", *SMALL, "--num-actors", "1", "--total-env-steps", "100000000", "--logdir", str(logdir),
-               "--max-actor-restarts", "0", "--no-data-timeout-s", "5", log=log)
+    proc = cli(
+        "train",
+        *SMALL,
+        "--num-actors",
+        "1",
+        "--total-env-steps",
+        "100000000",
+        "--logdir",
+        str(logdir),
+        "--max-actor-restarts",
+        "0",
+        "--no-data-timeout-s",
+        "5",
+        log=log,
+    )
     try:
         wait_for(lambda: last(logdir).get("learner_steps", 0) > 0, 90, "training", proc, log)
         for pid in descendants(proc.pid):
@@ -91,8 +151,17 @@ def test_all_actors_gone_exits_nonzero(tmp_path):
 def test_learner_without_actors_says_why(tmp_path):
     log = tmp_path / "log"
     port = free_port_pair()
-    proc = cli("learner", *LEARNER, "--listen", f"tcp://127.0.0.1:{port}", "--logdir", str(tmp_path / "run"),
-               "--actor-start-timeout-s", "3", log=log)
+    proc = cli(
+        "learner",
+        *LEARNER,
+        "--listen",
+        f"tcp://127.0.0.1:{port}",
+        "--logdir",
+        str(tmp_path / "run"),
+        "--actor-start-timeout-s",
+        "3",
+        log=log,
+    )
     try:
         assert proc.wait(60) == 4
         assert "no trajectory arrived within actor_start_timeout_s=3 s" in log.read_text()
@@ -112,8 +181,17 @@ def _sub(port):
 def test_late_subscriber_gets_weights_at_once(tmp_path):
     log = tmp_path / "log"
     port = free_port_pair()
-    proc = cli("learner", *LEARNER, "--listen", f"tcp://127.0.0.1:{port}", "--logdir", str(tmp_path / "run"),
-               "--republish-interval-s", "30", log=log)
+    proc = cli(
+        "learner",
+        *LEARNER,
+        "--listen",
+        f"tcp://127.0.0.1:{port}",
+        "--logdir",
+        str(tmp_path / "run"),
+        "--republish-interval-s",
+        "30",
+        log=log,
+    )
     sub = None
     try:
         wait_for(lambda: "listening" in log.read_text(), 60, "learner start", proc, log)
@@ -133,11 +211,22 @@ def test_late_subscriber_gets_weights_at_once(tmp_path):
 def test_learner_restart_with_surviving_external_actors(tmp_path):
     port = free_port_pair()
     logdir, llog, alog = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actors.log"
-    args = ["learner", *LEARNER, "--listen", f"tcp://127.0.0.1:{port}", "--logdir", str(logdir),
-            "--total-env-steps", "100000000", "--checkpoint-interval-s", "1"]
+    args = [
+        "learner",
+        *LEARNER,
+        "--listen",
+        f"tcp://127.0.0.1:{port}",
+        "--logdir",
+        str(logdir),
+        "--total-env-steps",
+        "100000000",
+        "--checkpoint-interval-s",
+        "1",
+    ]
     learner = cli(*args, log=llog)
-    actors = cli("actor", "--learner", f"tcp://127.0.0.1:{port}", "--num-actors", "2", "--envs-per-actor", "2",
-                 log=alog)
+    actors = cli(
+        "actor", "--learner", f"tcp://127.0.0.1:{port}", "--num-actors", "2", "--envs-per-actor", "2", log=alog
+    )
     try:
         wait_for(lambda: last(logdir).get("learner_steps", 0) > 0, 90, "training", learner, llog)
         wait_for(lambda: checkpoint.list_checkpoints(logdir), 30, "a periodic checkpoint", learner, llog)
@@ -147,9 +236,15 @@ def test_learner_restart_with_surviving_external_actors(tmp_path):
         before = last(logdir)["learner_steps"]
         rows_before_inc = last(logdir)["incarnation"]
         learner = cli(*args, "--resume", str(logdir), log=tmp_path / "learner2.log")
-        wait_for(lambda: last(logdir).get("trajectories_received", 0) > 0 and
-                 last(logdir).get("learner_steps", 0) > before + 5, 90, "training after the restart", learner,
-                 tmp_path / "learner2.log")
+        wait_for(
+            lambda: (
+                last(logdir).get("trajectories_received", 0) > 0 and last(logdir).get("learner_steps", 0) > before + 5
+            ),
+            90,
+            "training after the restart",
+            learner,
+            tmp_path / "learner2.log",
+        )
         assert descendants(actors.pid) == actor_pids, "the external actors were restarted"
         assert actors.poll() is None
         # What the actors had queued was acted with the first run's weights: dropped as another incarnation's,
@@ -170,8 +265,8 @@ def test_resume_continues_counters_and_appends_metrics(tmp_path):
     second = cli("train", "--resume", str(logdir), "--total-env-steps", "6000", log=tmp_path / "log2")
     assert second.wait(120) == 0, tail(tmp_path / "log2")
     rows2 = read_metrics(logdir)
-    assert rows2[:len(rows1)] == rows1  # appended, not rewritten
-    new = rows2[len(rows1):]
+    assert rows2[: len(rows1)] == rows1  # appended, not rewritten
+    new = rows2[len(rows1) :]
     assert new[0]["learner_steps"] >= end1["learner_steps"] and new[0]["episodes"] >= end1["episodes"]
     assert new[0]["wall_s"] > end1["wall_s"]
     assert new[-1]["env_steps_trained"] >= 6000 > end1["env_steps_trained"]

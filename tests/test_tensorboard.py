@@ -18,9 +18,28 @@ def test_a_run_writes_every_figure_and_the_rho_histogram(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", "--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "--unroll-length", "10",
-               "--batch-size", "4", "--report-interval-s", "0.25", "--total-env-steps", "6000", "--tensorboard", "1",
-               "--logdir", str(logdir), log=log)
+    proc = cli(
+        "train",
+        "--env",
+        "CartPole-v1",
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "4",
+        "--unroll-length",
+        "10",
+        "--batch-size",
+        "4",
+        "--report-interval-s",
+        "0.25",
+        "--total-env-steps",
+        "6000",
+        "--tensorboard",
+        "1",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     try:
         assert proc.wait(120) == 0, tail(log)
     finally:
@@ -72,16 +91,24 @@ def test_rho_histogram_edges():
     h = tboard.rho_histogram({"rho_hist": counts, "rho_hist_edges": edges, "rho_mean": None})
     assert h["max"] == 10 * tboard.OPEN_BIN_DRAWN_TO and h["sum"] == 0.0
     assert tboard.rho_histogram({"rho_hist": None, "rho_hist_edges": edges}) is None
-    assert dict(tboard.scalars({"a": 1, "b": None, "c": {"d": 2.5, "e": None}, "f": float("nan"), "g": [1],
-                                "incarnation": 5})) == {"a": 1.0, "c/d": 2.5}
+    assert dict(
+        tboard.scalars({"a": 1, "b": None, "c": {"d": 2.5, "e": None}, "f": float("nan"), "g": [1], "incarnation": 5})
+    ) == {"a": 1.0, "c/d": 2.5}
 
 
 def test_without_the_extra_it_says_what_to_install(tmp_path):
     """tensorboard made unimportable: one line naming the pip install, before anything starts."""
-    code = ("import sys; sys.modules['tensorboard'] = None; from impala_async import cli; "
-            "sys.exit(cli.main(sys.argv[1:]))")
-    out = subprocess.run([sys.executable, "-c", code, "learner", "--tensorboard", "1", "--logdir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys; sys.modules['tensorboard'] = None; from impala_async import cli; sys.exit(cli.main(sys.argv[1:]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, "learner", "--tensorboard", "1", "--logdir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0
-    assert out.stderr.strip() == ("impala-async: --tensorboard 1 needs the tensorboard package, which is not "
-                                  "installed: pip install 'impala-async[tensorboard]'"), out.stderr
+    assert out.stderr.strip() == (
+        "impala-async: --tensorboard 1 needs the tensorboard package, which is not "
+        "installed: pip install 'impala-async[tensorboard]'"
+    ), out.stderr

@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
+from impala_async.config import LearnerConfig
 from impala_async.core.ring import TrajectoryRing
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner.learn import Learner
 from impala_async.learner.trainer import Trainer
-from impala_async.config import LearnerConfig
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 B, BATCHES = 4, 60
@@ -58,10 +58,15 @@ def test_every_batch_arrives_whole_and_in_order(device, overlap):
     ring = TrajectoryRing(spec, batch_size=B, num_batches=3, pin_memory=device == "cuda", drop_when_full=False)
     learner = CheckingLearner(LearnerConfig(), spec, torch.device(device))
     done, exited = threading.Event(), []
-    trainer = Trainer(learner, ring, max_policy_lag=10**9, overlap_copies=overlap,
-                      on_update=lambda version, stats, lag: None,
-                      after_update=lambda: len(learner.seen) >= BATCHES,
-                      on_exit=lambda error: (exited.append(error), done.set()))
+    trainer = Trainer(
+        learner,
+        ring,
+        max_policy_lag=10**9,
+        overlap_copies=overlap,
+        on_update=lambda version, stats, lag: None,
+        after_update=lambda: len(learner.seen) >= BATCHES,
+        on_exit=lambda error: (exited.append(error), done.set()),
+    )
     stop = threading.Event()
     producer = threading.Thread(target=produce, args=(ring, B * BATCHES, stop), daemon=True)
     trainer.start()

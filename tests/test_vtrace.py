@@ -31,15 +31,17 @@ def _double_sum(deltas, discounts, cs):
     return out
 
 
-def ground_truth(log_rhos, discounts, rewards, values, bootstrap, rho_bar, pg_rho_bar, c_bar, lam=1.0,
-                 magnitudes=False):
+def ground_truth(
+    log_rhos, discounts, rewards, values, bootstrap, rho_bar, pg_rho_bar, c_bar, lam=1.0, magnitudes=False
+):
     """float64 numpy; arrays [T, ...]; bootstrap [...]. Returns (vs, pg_advantages), each [T, ...].
 
     With ``magnitudes`` it returns instead the same sums taken over the absolute value of every term: the size of
     what an fp32 computation adds up, which bounds its rounding error (unclipped traces multiply the error of a late
     step by a product of c's, so a result of 3 can carry the error of terms in the hundreds)."""
     log_rhos, discounts, rewards, values, bootstrap = (
-        np.asarray(a, dtype=np.float64) for a in (log_rhos, discounts, rewards, values, bootstrap))
+        np.asarray(a, dtype=np.float64) for a in (log_rhos, discounts, rewards, values, bootstrap)
+    )
     sign = 1.0
     if magnitudes:
         rewards, values, bootstrap, sign = np.abs(rewards), np.abs(values), np.abs(bootstrap), -1.0
@@ -93,7 +95,10 @@ def test_matches_double_sum(shape, clips):
     want_vs, want_pg = ground_truth(*inputs, *clips)
     got = vtrace.from_importance_weights(
         *(torch.tensor(a, dtype=torch.float32) for a in inputs),
-        clip_rho_threshold=clips[0], clip_pg_rho_threshold=clips[1], clip_c_threshold=clips[2])
+        clip_rho_threshold=clips[0],
+        clip_pg_rho_threshold=clips[1],
+        clip_c_threshold=clips[2],
+    )
     assert got.vs.dtype == torch.float32 and got.pg_advantages.dtype == torch.float32
     assert got.vs.shape == shape and got.pg_advantages.shape == shape
     if clips[2] is not None:  # c clipped: well conditioned, fp32 agrees to 1e-5 outright
@@ -111,8 +116,12 @@ def test_unclipped_many_seeds(seed):
     where fp32 cannot agree to 1e-5 outright, only to 1e-5 of the magnitudes summed (worst seen: 5e-7 of them)."""
     inputs = random_inputs(np.random.default_rng(seed), (12, 2, 5))
     want_vs, want_pg = ground_truth(*inputs, None, None, None)
-    got = vtrace.from_importance_weights(*(torch.tensor(a, dtype=torch.float32) for a in inputs),
-                                         clip_rho_threshold=None, clip_pg_rho_threshold=None, clip_c_threshold=None)
+    got = vtrace.from_importance_weights(
+        *(torch.tensor(a, dtype=torch.float32) for a in inputs),
+        clip_rho_threshold=None,
+        clip_pg_rho_threshold=None,
+        clip_c_threshold=None,
+    )
     vs_scale, pg_scale = ground_truth(*inputs, None, None, None, magnitudes=True)
     assert_fp32_close(got.vs.numpy(), want_vs, vs_scale, "vs")
     assert_fp32_close(got.pg_advantages.numpy(), want_pg, pg_scale, "pg_advantages")
@@ -150,8 +159,8 @@ def test_on_policy_is_n_step_return():
     rewards, values, bootstrap = rng.normal(size=(T, B)), rng.normal(size=(T, B)), rng.normal(size=B)
     discounts = np.full((T, B), 0.9)
     got = vtrace.from_importance_weights(
-        torch.zeros(T, B), torch.tensor(discounts), torch.tensor(rewards), torch.tensor(values),
-        torch.tensor(bootstrap))
+        torch.zeros(T, B), torch.tensor(discounts), torch.tensor(rewards), torch.tensor(values), torch.tensor(bootstrap)
+    )
     ret = bootstrap.copy()
     want = np.empty((T, B))
     for t in reversed(range(T)):
@@ -231,8 +240,11 @@ def test_from_logits(batch_shape):
 
     target_t = torch.tensor(target, dtype=torch.float32, requires_grad=True)
     got = vtrace.from_logits(
-        torch.tensor(behaviour, dtype=torch.float32), target_t, torch.tensor(actions),
-        *(torch.tensor(a, dtype=torch.float32) for a in (discounts, rewards, values, bootstrap)))
+        torch.tensor(behaviour, dtype=torch.float32),
+        target_t,
+        torch.tensor(actions),
+        *(torch.tensor(a, dtype=torch.float32) for a in (discounts, rewards, values, bootstrap)),
+    )
     np.testing.assert_allclose(got.log_rhos.numpy(), want_log_rhos, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got.behaviour_action_log_probs.numpy(), taken(behaviour), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got.target_action_log_probs.detach().numpy(), taken(target), rtol=1e-5, atol=1e-5)
@@ -249,8 +261,9 @@ def test_bf16_logits_from_logits_in_fp32():
     target = torch.randn(T, B, A, generator=g).bfloat16()
     actions = torch.randint(0, A, (T, B), generator=g)
     rest = [torch.randn(T, B, generator=g).bfloat16() for _ in range(3)]
-    got = vtrace.from_logits(behaviour, target, actions, rest[0].abs(), rest[1], rest[2],
-                             torch.randn(B, generator=g).bfloat16())
+    got = vtrace.from_logits(
+        behaviour, target, actions, rest[0].abs(), rest[1], rest[2], torch.randn(B, generator=g).bfloat16()
+    )
     for field in got:
         assert field.dtype == torch.float32
 
@@ -259,8 +272,9 @@ def test_shape_errors_are_explained():
     with pytest.raises(ValueError, match="bootstrap_value"):
         vtrace.from_importance_weights(*(torch.zeros(3, 2) for _ in range(4)), torch.zeros(3))
     with pytest.raises(ValueError, match="rewards"):
-        vtrace.from_importance_weights(torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(3, 1), torch.zeros(3, 2),
-                                       torch.zeros(2))
+        vtrace.from_importance_weights(
+            torch.zeros(3, 2), torch.zeros(3, 2), torch.zeros(3, 1), torch.zeros(3, 2), torch.zeros(2)
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -272,7 +286,10 @@ def test_cuda_matches_double_sum(clips):
     with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
         got = vtrace.from_importance_weights(
             *(torch.tensor(a, dtype=torch.float32, device="cuda") for a in inputs),
-            clip_rho_threshold=clips[0], clip_pg_rho_threshold=clips[1], clip_c_threshold=clips[2])
+            clip_rho_threshold=clips[0],
+            clip_pg_rho_threshold=clips[1],
+            clip_c_threshold=clips[2],
+        )
     assert got.vs.device.type == "cuda" and got.vs.dtype == torch.float32
     vs_scale, pg_scale = ground_truth(*inputs, *clips, magnitudes=True)
     assert_fp32_close(got.vs.cpu().numpy(), want_vs, vs_scale, "vs")

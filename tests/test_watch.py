@@ -9,8 +9,8 @@ import subprocess
 import numpy as np
 from procutil import cli, read_metrics, stop, tail
 
-from impala_async.learner.watch import CollapseWatch
 from impala_async.config import LearnerConfig
+from impala_async.learner.watch import CollapseWatch
 
 KNOBS = ("--clip-rho-threshold", "--entropy-cost", "--learning-rate")
 
@@ -24,8 +24,14 @@ def feed(w: CollapseWatch, series, updates_per_report: int = 10, report_s: float
     """Feed one record per value of ``series`` (entropies), ``updates_per_report`` updates and ``report_s`` apart."""
     out = []
     for i, entropy in enumerate(series):
-        rec = {"wall_s": (i + 1) * report_s, "learner_steps": (i + 1) * updates_per_report, "entropy": entropy,
-               "rho_far_frac": None if rho is None else rho[i], "policy_lag_avg": 3.0, "episode_return_mean": 20.0}
+        rec = {
+            "wall_s": (i + 1) * report_s,
+            "learner_steps": (i + 1) * updates_per_report,
+            "entropy": entropy,
+            "rho_far_frac": None if rho is None else rho[i],
+            "policy_lag_avg": 3.0,
+            "episode_return_mean": 20.0,
+        }
         out += w.feed(rec)
     return out
 
@@ -100,9 +106,30 @@ def test_cli_warns_when_a_run_collapses(tmp_path):
     """An absurd learning rate without entropy bonus collapses CartPole's policy within seconds; the console says so
     once per kind (the run is shorter than the minute between repeats) and names the remedies."""
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", "--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "8", "--unroll-length", "10",
-               "--batch-size", "4", "--report-interval-s", "0.25", "--learning-rate", "0.5", "--entropy-cost", "0",
-               "--total-env-steps", "20000", "--logdir", str(logdir), log=log)
+    proc = cli(
+        "train",
+        "--env",
+        "CartPole-v1",
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "8",
+        "--unroll-length",
+        "10",
+        "--batch-size",
+        "4",
+        "--report-interval-s",
+        "0.25",
+        "--learning-rate",
+        "0.5",
+        "--entropy-cost",
+        "0",
+        "--total-env-steps",
+        "20000",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
     try:
         assert proc.wait(120) == 0, tail(log)
     except subprocess.TimeoutExpired:

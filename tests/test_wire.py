@@ -26,8 +26,17 @@ def decode_all(decoder, data):
 def test_round_trip(codec, spec_name, request):
     spec = request.getfixturevalue(spec_name)
     arrays = random_arrays(spec, 3, seed=1)
-    data = wire.encode_trajectories(spec, actor_id="host/1/ab", seq=7, policy_version=3, incarnation=1, arrays=arrays,
-                                    episodes=[(12.5, 40), (3, 2)], codec=codec, sent_at_ns=123)
+    data = wire.encode_trajectories(
+        spec,
+        actor_id="host/1/ab",
+        seq=7,
+        policy_version=3,
+        incarnation=1,
+        arrays=arrays,
+        episodes=[(12.5, 40), (3, 2)],
+        codec=codec,
+        sent_at_ns=123,
+    )
     msg, dest = decode_all(wire.TrajectoryDecoder(spec), data)
     assert (msg.actor_id, msg.seq, msg.policy_version, msg.n, msg.sent_at_ns) == ("host/1/ab", 7, 3, 3, 123)
     assert msg.episodes == [[12.5, 40], [3.0, 2]]
@@ -40,10 +49,23 @@ def handmade_message(spec: TrajectorySpec, arrays, **override) -> dict:
     fields = {}
     for f in spec.fields:
         raw = arrays[f.name].astype(f.dtype).tobytes()  # all n trajectories, trajectory-major
-        fields[f.name] = {"dtype": f.dtype.str, "shape": list(f.shape), "codec": "lz4",
-                          "data": len(raw).to_bytes(4, "little") + lz4.block.compress(raw, store_size=False)}
-    msg = {"v": 2, "type": "trajectories", "actor": "other-language-actor", "seq": 0, "policy_version": 0,
-           "incarnation": 12345, "n": len(arrays["obs"]), "episodes": [], "fields": fields}
+        fields[f.name] = {
+            "dtype": f.dtype.str,
+            "shape": list(f.shape),
+            "codec": "lz4",
+            "data": len(raw).to_bytes(4, "little") + lz4.block.compress(raw, store_size=False),
+        }
+    msg = {
+        "v": 2,
+        "type": "trajectories",
+        "actor": "other-language-actor",
+        "seq": 0,
+        "policy_version": 0,
+        "incarnation": 12345,
+        "n": len(arrays["obs"]),
+        "episodes": [],
+        "fields": fields,
+    }
     msg.update(override)
     return msg
 
@@ -141,19 +163,31 @@ def test_field_rejections(cartpole_spec):
     assert reason(lambda f: f["reward"].update(codec="none", data=b"\0" * 7)) == "bad_size"
 
 
-@pytest.mark.parametrize("field,value,why", [
-    ("reward", np.nan, "nonfinite"), ("behaviour_logits", np.inf, "nonfinite"), ("obs", -np.inf, "nonfinite"),
-    ("truncation_value", np.nan, "nonfinite"), ("action", 2, "bad_action"), ("action", -1, "bad_action"),
-    ("terminated", 2, "bad_flag"), ("truncated", 255, "bad_flag")])
+@pytest.mark.parametrize(
+    "field,value,why",
+    [
+        ("reward", np.nan, "nonfinite"),
+        ("behaviour_logits", np.inf, "nonfinite"),
+        ("obs", -np.inf, "nonfinite"),
+        ("truncation_value", np.nan, "nonfinite"),
+        ("action", 2, "bad_action"),
+        ("action", -1, "bad_action"),
+        ("terminated", 2, "bad_flag"),
+        ("truncated", 255, "bad_flag"),
+    ],
+)
 def test_value_rejections(cartpole_spec, field, value, why):
     arrays = random_arrays(cartpole_spec, 3)
     decoder = wire.TrajectoryDecoder(cartpole_spec)
-    decode_all(decoder, wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, incarnation=1,
-                                                 arrays=arrays))
+    decode_all(
+        decoder,
+        wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays),
+    )
     arrays[field][1].flat[-1] = value  # one bad value in the middle trajectory rejects the whole message
     for codec in wire.CODECS:
-        data = wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, incarnation=1,
-                                        arrays=arrays, codec=codec)
+        data = wire.encode_trajectories(
+            cartpole_spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays, codec=codec
+        )
         with pytest.raises(wire.Rejected) as e:
             decode_all(decoder, data)
         assert e.value.reason == why
@@ -166,19 +200,27 @@ def test_limits(cartpole_spec):
     assert parse_reason(spec, data, wire.WireLimits(max_message_bytes=len(data) - 1)) == "too_large"
     assert parse_reason(spec, data, wire.WireLimits(max_trajectories_per_message=3)) == "bad_header"
     eps = [(1.0, 1)] * 5
-    data = wire.encode_trajectories(spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays,
-                                    episodes=eps)
+    data = wire.encode_trajectories(
+        spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays, episodes=eps
+    )
     assert parse_reason(spec, data, wire.WireLimits(max_episodes_per_message=4)) in ("malformed", "bad_header")
 
 
-@pytest.mark.parametrize("data", [
-    b"", b"\x00", b"\xc1", b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff",  # never-used byte, huge array/map
-    b"\x91" * 100_000 + b"\xc0",  # 10^5 levels of nesting
-    msgpack.packb({"v": 1, "type": "trajectories", "x": msgpack.ExtType(1, b"abc")}),  # extension type
-    msgpack.packb({1: 2}),  # non-string map key
-    msgpack.packb([1, 2, 3]),
-    b"\xc6\xff\xff\xff\xff",  # bin32 claiming 4 GiB
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\x00",
+        b"\xc1",
+        b"\xdd\xff\xff\xff\xff",
+        b"\xdf\xff\xff\xff\xff",  # never-used byte, huge array/map
+        b"\x91" * 100_000 + b"\xc0",  # 10^5 levels of nesting
+        msgpack.packb({"v": 1, "type": "trajectories", "x": msgpack.ExtType(1, b"abc")}),  # extension type
+        msgpack.packb({1: 2}),  # non-string map key
+        msgpack.packb([1, 2, 3]),
+        b"\xc6\xff\xff\xff\xff",  # bin32 claiming 4 GiB
+    ],
+)
 def test_hostile_msgpack(cartpole_spec, data):
     assert parse_reason(cartpole_spec, data) in ("malformed", "bad_version", "bad_header")
 
@@ -208,8 +250,16 @@ def test_weights_round_trip():
         assert msg.tensors[k].flags.writeable
     with pytest.raises(wire.Rejected):
         wire.decode_weights(wire.encode_weights(5, tensors, info, incarnation=77), 10)
-    bad = msgpack.packb({"v": 2, "type": "weights", "version": 1, "incarnation": 1, "run": {},
-                         "tensors": {"x": {"dtype": "|O", "shape": [1], "data": b"12345678"}}})
+    bad = msgpack.packb(
+        {
+            "v": 2,
+            "type": "weights",
+            "version": 1,
+            "incarnation": 1,
+            "run": {},
+            "tensors": {"x": {"dtype": "|O", "shape": [1], "data": b"12345678"}},
+        }
+    )
     with pytest.raises(wire.Rejected):
         wire.decode_weights(bad, 1 << 20)
 
@@ -232,8 +282,9 @@ def test_contradicting_fields_are_rejected(cartpole_spec):
         arrays["truncated"][:] = 0
         arrays["truncation_value"][:] = 0
         mutate(arrays)
-        data = wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, incarnation=1,
-                                        arrays=arrays)
+        data = wire.encode_trajectories(
+            cartpole_spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays
+        )
         try:
             decode_all(decoder, data)
         except wire.Rejected as e:

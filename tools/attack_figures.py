@@ -31,8 +31,22 @@ import attacks  # noqa: E402
 from procutil import cli, free_port_pair, read_metrics, stop  # noqa: E402
 
 MIB = 1 << 20
-FLAGS = ["--env", "CartPole-v1", "--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.25",
-         "--total-env-steps", "100000000", "--publish-interval-s", "1", "--max-policy-lag", "1000"]
+FLAGS = [
+    "--env",
+    "CartPole-v1",
+    "--unroll-length",
+    "10",
+    "--batch-size",
+    "4",
+    "--report-interval-s",
+    "0.25",
+    "--total-env-steps",
+    "100000000",
+    "--publish-interval-s",
+    "1",
+    "--max-policy-lag",
+    "1000",
+]
 
 
 class Run:
@@ -40,8 +54,17 @@ class Run:
         self.port = free_port_pair()
         self.listen, self.weights = f"tcp://127.0.0.1:{self.port}", f"tcp://127.0.0.1:{self.port + 1}"
         self.logdir, self.log = tmp / f"run-{self.port}", tmp / f"learner-{self.port}.log"
-        self.proc = cli("learner", *FLAGS, "--listen", self.listen, "--logdir", str(self.logdir), *extra, log=self.log,
-                        preexec_fn=preexec_fn)
+        self.proc = cli(
+            "learner",
+            *FLAGS,
+            "--listen",
+            self.listen,
+            "--logdir",
+            str(self.logdir),
+            *extra,
+            log=self.log,
+            preexec_fn=preexec_fn,
+        )
         self.actor = cli("actor", "--learner", self.listen, "--envs-per-actor", "2")
         self.wait(lambda r: r.get("learner_steps", 0) > 0, 120)
 
@@ -60,8 +83,16 @@ class Run:
 
     def trains(self, timeout_s: float = 20.0) -> bool:
         before = self.last()
-        return self.wait(lambda r: r["learner_steps"] > before.get("learner_steps", 0) + 2
-                         and r["trajectories_received"] > before.get("trajectories_received", 0), timeout_s) is not None
+        return (
+            self.wait(
+                lambda r: (
+                    r["learner_steps"] > before.get("learner_steps", 0) + 2
+                    and r["trajectories_received"] > before.get("trajectories_received", 0)
+                ),
+                timeout_s,
+            )
+            is not None
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -89,9 +120,15 @@ def tree(run: Run, ctx) -> dict:
             stall.append(round(time.monotonic() - t0, 2))
     s.close(linger=5000)  # what is queued is delivered
     lags = [r["loop_lag_p99_ms"] for r in read_metrics(run.logdir)[-40:] if r.get("loop_lag_p99_ms") is not None]
-    return {"messages": 4, "bytes_each": 15 * MIB, "seconds_to_reject": stall, "rss_growth_mib": round(rss.grown_mib),
-            "log_bytes_written": run.log.stat().st_size - log0, "loop_lag_p99_ms_max": max(lags, default=None),
-            "training_went_on": run.trains()}
+    return {
+        "messages": 4,
+        "bytes_each": 15 * MIB,
+        "seconds_to_reject": stall,
+        "rss_growth_mib": round(rss.grown_mib),
+        "log_bytes_written": run.log.stat().st_size - log0,
+        "loop_lag_p99_ms_max": max(lags, default=None),
+        "training_went_on": run.trains(),
+    }
 
 
 def multipart(run: Run, ctx) -> dict:
@@ -108,25 +145,37 @@ def multipart(run: Run, ctx) -> dict:
             t.join(120)
         time.sleep(2.0)
     after = attacks.PeakRss(run.proc.pid)
-    return {"connections": 2, "offered_mib_each": 1024, "sent_mib": [round(x / MIB) for x in sent],
-            "rss_peak_growth_mib": round(rss.grown_mib),
-            "rss_after_mib_vs_before": round((after.base - rss.base) / MIB),
-            "training_went_on": run.trains()}
+    return {
+        "connections": 2,
+        "offered_mib_each": 1024,
+        "sent_mib": [round(x / MIB) for x in sent],
+        "rss_peak_growth_mib": round(rss.grown_mib),
+        "rss_after_mib_vs_before": round((after.base - rss.base) / MIB),
+        "training_went_on": run.trains(),
+    }
 
 
 def oversized(run: Run, ctx) -> dict:
     with attacks.PeakRss(run.proc.pid) as rss:
         sent = attacks.oversized_frame("127.0.0.1", run.port + 1, 2 << 30, 512 * MIB)
-    return {"claimed_bytes": 2 << 30, "offered_mib": 512, "accepted_mib": round(sent / MIB),
-            "rss_growth_mib": round(rss.grown_mib)}
+    return {
+        "claimed_bytes": 2 << 30,
+        "offered_mib": 512,
+        "accepted_mib": round(sent / MIB),
+        "rss_growth_mib": round(rss.grown_mib),
+    }
 
 
 def subscriptions(run: Run, ctx) -> dict:
     with attacks.PeakRss(run.proc.pid) as rss:
         sent = attacks.subscription_flood("127.0.0.1", run.port + 1, 400_000)
         time.sleep(3.0)
-    return {"topics_offered": 400_000, "topics_sent": sent, "rss_growth_mib": round(rss.grown_mib),
-            "training_went_on": run.trains()}
+    return {
+        "topics_offered": 400_000,
+        "topics_sent": sent,
+        "rss_growth_mib": round(rss.grown_mib),
+        "training_went_on": run.trains(),
+    }
 
 
 def amplification(run: Run, ctx) -> dict:
@@ -140,9 +189,15 @@ def amplification(run: Run, ctx) -> dict:
     elapsed = time.monotonic() - t0
     honest.done.set()
     honest.join(5)
-    return {"subscriptions_per_s": 50, "seconds": round(elapsed, 1), "subscriptions": made,
-            "honest_copies": honest.copies, "copies_per_s": round(honest.copies / elapsed, 2),
-            "honest_mb_received": round(honest.bytes / 1e6, 1), "training_went_on": run.trains()}
+    return {
+        "subscriptions_per_s": 50,
+        "seconds": round(elapsed, 1),
+        "subscriptions": made,
+        "honest_copies": honest.copies,
+        "copies_per_s": round(honest.copies / elapsed, 2),
+        "honest_mb_received": round(honest.bytes / 1e6, 1),
+        "training_went_on": run.trains(),
+    }
 
 
 def poison(run: Run, ctx) -> dict:
@@ -155,16 +210,23 @@ def poison(run: Run, ctx) -> dict:
     finite = all(view.refresh().weights_finite() for _ in range(3))
     row = run.last()
     view.close()
-    return {"trajectories": 20, "published_weights_finite": finite,
-            "actor_messages_rejected_nonfinite": row.get("rejected_nonfinite"), "training_went_on": run.trains()}
+    return {
+        "trajectories": 20,
+        "published_weights_finite": finite,
+        "actor_messages_rejected_nonfinite": row.get("rejected_nonfinite"),
+        "training_went_on": run.trains(),
+    }
 
 
 def rejected_whole(run: Run, ctx) -> dict:
     view = attacks.LearnerView(ctx, run.weights).refresh()
     s = push(ctx, run.listen)
     before = run.last()
-    s.send(attacks.message(view, actor="retrier", seq=5, episodes=[(1e9, 10)],
-                           edit=lambda a: a["reward"].__setitem__((0, 0), np.nan)))
+    s.send(
+        attacks.message(
+            view, actor="retrier", seq=5, episodes=[(1e9, 10)], edit=lambda a: a["reward"].__setitem__((0, 0), np.nan)
+        )
+    )
     time.sleep(1.0)
     s.send(attacks.message(view.refresh(), actor="retrier", seq=5, episodes=[(3.0, 10)]))
     for i in range(200):
@@ -173,14 +235,17 @@ def rejected_whole(run: Run, ctx) -> dict:
     rows = [r for r in read_metrics(run.logdir) if r["wall_s"] >= before["wall_s"]]
     s.close(linger=5000)  # what is queued is delivered
     view.close()
-    return {"return_mean_max_after": max((r["episode_return_mean"] or 0) for r in rows),
-            "retry_rejected_as_replay": rows[-1]["rejected_replay"] > before["rejected_replay"],
-            "latency_p99_ms_max_after": max((r["latency_p99_ms"] or 0) for r in rows)}
+    return {
+        "return_mean_max_after": max((r["episode_return_mean"] or 0) for r in rows),
+        "retry_rejected_as_replay": rows[-1]["rejected_replay"] > before["rejected_replay"],
+        "latency_p99_ms_max_after": max((r["latency_p99_ms"] or 0) for r in rows),
+    }
 
 
 def descriptors(tmp: Path, ctx) -> dict:
-    run = Run(tmp, "--checkpoint-interval-s", "1",
-              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)))
+    run = Run(
+        tmp, "--checkpoint-interval-s", "1", preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+    )
     try:
         started = time.time()
         held = attacks.connection_flood("127.0.0.1", run.port, 1200)
@@ -190,9 +255,14 @@ def descriptors(tmp: Path, ctx) -> dict:
         ckpts = [p for p in run.logdir.glob("checkpoint-*.pt") if p.stat().st_mtime > started + 1]
         for s in held:
             s.close()
-        return {"fd_limit": 1024, "connections_opened": len(held), "learner_alive": run.alive(),
-                "training_went_on": went_on, "checkpoints_during_attack": len(ckpts),
-                "exit": None if run.alive() else run.proc.returncode}
+        return {
+            "fd_limit": 1024,
+            "connections_opened": len(held),
+            "learner_alive": run.alive(),
+            "training_went_on": went_on,
+            "checkpoints_during_attack": len(ckpts),
+            "exit": None if run.alive() else run.proc.returncode,
+        }
     finally:
         run.close()
 
@@ -200,14 +270,23 @@ def descriptors(tmp: Path, ctx) -> dict:
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="attack-figures-"))
     ctx = zmq.Context()
-    out = {"commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip()}
+    out = {
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
+    }
     run = Run(tmp)
     try:
         # The attacks that measure memory first: freed but retained memory would absorb later growth.
-        for name, attack in (("subscriptions", subscriptions), ("oversized_weights_frame", oversized),
-                             ("tree", tree), ("multipart", multipart), ("amplification", amplification),
-                             ("poison", poison), ("rejected_whole", rejected_whole)):
+        for name, attack in (
+            ("subscriptions", subscriptions),
+            ("oversized_weights_frame", oversized),
+            ("tree", tree),
+            ("multipart", multipart),
+            ("amplification", amplification),
+            ("poison", poison),
+            ("rejected_whole", rejected_whole),
+        ):
             if not run.alive():
                 out[name] = {"skipped": f"the learner exited with {run.proc.returncode}"}
                 continue

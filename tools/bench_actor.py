@@ -64,15 +64,20 @@ def child(a: argparse.Namespace) -> dict:
     vec = make_vec(a.env, json.loads(a.env_kwargs), K, a.backend, "uint8", seeds=seeds)
     vec.reset(seeds)
     build_s = time.perf_counter() - t0
-    spec = TrajectorySpec.from_spaces(vec.single_observation_space, vec.single_action_space, T,
-                                      frame_stack=vec.frame_stack)
-    cfg = (ModelConfig.deep(input_scale=1 / 255) if a.model == "deep" else
-           ModelConfig("auto", input_scale=1 / 255).resolved(spec))
+    spec = TrajectorySpec.from_spaces(
+        vec.single_observation_space, vec.single_action_space, T, frame_stack=vec.frame_stack
+    )
+    cfg = (
+        ModelConfig.deep(input_scale=1 / 255)
+        if a.model == "deep"
+        else ModelConfig("auto", input_scale=1 / 255).resolved(spec)
+    )
     torch.manual_seed(0)
     net = build_model(spec, cfg)
     run_info = {"env_id": a.env, "spec": spec.to_dict(), "model": cfg.to_dict()}
-    msg = wire.decode_weights(wire.encode_weights(0, {k: v.numpy() for k, v in net.state_dict().items()},
-                                                  run_info, incarnation=1), 1 << 30)
+    msg = wire.decode_weights(
+        wire.encode_weights(0, {k: v.numpy() for k, v in net.state_dict().items()}, run_info, incarnation=1), 1 << 30
+    )
     policy, envs = Timed(Policy(msg, a.device)), Timed(vec)
     buf = {f.name: np.zeros((K, *f.shape), f.dtype) for f in spec.fields}
     obs_buf = np.zeros((K, T + 1, *spec.obs_shape), spec.obs_dtype) if spec.frame_stack else buf["obs"]
@@ -89,18 +94,31 @@ def child(a: argparse.Namespace) -> dict:
             t1 = time.perf_counter()
             if spec.frame_stack:
                 buf["frames"][:] = frames.pack(obs_buf, buf["terminated"] | buf["truncated"])
-            wire.encode_trajectories(spec, actor_id="bench", seq=i, policy_version=0, incarnation=1, arrays=buf,
-                                     episodes=[], codec="lz4")
+            wire.encode_trajectories(
+                spec, actor_id="bench", seq=i, policy_version=0, incarnation=1, arrays=buf, episodes=[], codec="lz4"
+            )
             encode_s += time.perf_counter() - t1
     elapsed = time.perf_counter() - start
     episodes = vec.pop_episodes()
     vec.close()
     steps = unrolls * T * K
-    return {"backend": vec.backend, "env": a.env, "model": cfg.kind, "envs": K, "cpu": a.cpu, "device": a.device,
-            "agent_steps": steps, "seconds": round(elapsed, 3), "agent_steps_per_s": round(steps / elapsed, 1),
-            "env_frames_per_s": round(FRAME_SKIP * steps / elapsed, 1),
-            "policy_share": round(policy.seconds / elapsed, 3), "env_share": round(envs.seconds / elapsed, 3),
-            "encode_share": round(encode_s / elapsed, 3), "episodes": len(episodes), "build_s": round(build_s, 2)}
+    return {
+        "backend": vec.backend,
+        "env": a.env,
+        "model": cfg.kind,
+        "envs": K,
+        "cpu": a.cpu,
+        "device": a.device,
+        "agent_steps": steps,
+        "seconds": round(elapsed, 3),
+        "agent_steps_per_s": round(steps / elapsed, 1),
+        "env_frames_per_s": round(FRAME_SKIP * steps / elapsed, 1),
+        "policy_share": round(policy.seconds / elapsed, 3),
+        "env_share": round(envs.seconds / elapsed, 3),
+        "encode_share": round(encode_s / elapsed, 3),
+        "episodes": len(episodes),
+        "build_s": round(build_s, 2),
+    }
 
 
 def main() -> int:
@@ -112,8 +130,12 @@ def main() -> int:
     p.add_argument("--unroll-length", type=int, default=20)
     p.add_argument("--warmup-unrolls", type=int, default=2)
     p.add_argument("--backends", default="gymnasium,envpool")
-    p.add_argument("--model", choices=("auto", "deep"), default="auto",
-                   help="policy network: auto (as train picks it: the Nature CNN for Atari) or deep (IMPALA ResNet)")
+    p.add_argument(
+        "--model",
+        choices=("auto", "deep"),
+        default="auto",
+        help="policy network: auto (as train picks it: the Nature CNN for Atari) or deep (IMPALA ResNet)",
+    )
     p.add_argument("--device", default="cpu", help="where the policy runs: cpu or cuda[:N]")
     p.add_argument("--cpu", type=int, default=-1, help="the CPU to pin to (default: the last one allowed)")
     p.add_argument("--no-encode", action="store_true", help="leave out frame packing and the wire encoding")
@@ -136,13 +158,20 @@ def main() -> int:
             code = 1
             continue
         rows.append(json.loads(lines[-1]))
-        print(lines[-1] if a.json else
-              f"{backend:>10}: {rows[-1]['env_frames_per_s']:>8.0f} env frames/s ({rows[-1]['agent_steps_per_s']:.0f} "
-              f"agent steps/s), policy {rows[-1]['policy_share']:.0%}, envs {rows[-1]['env_share']:.0%}, encode "
-              f"{rows[-1]['encode_share']:.0%}; {a.envs} envs on CPU {a.cpu}, policy on {a.device}", flush=True)
+        print(
+            lines[-1]
+            if a.json
+            else f"{backend:>10}: {rows[-1]['env_frames_per_s']:>8.0f} env frames/s "
+            f"({rows[-1]['agent_steps_per_s']:.0f} agent steps/s), policy {rows[-1]['policy_share']:.0%}, "
+            f"envs {rows[-1]['env_share']:.0%}, encode {rows[-1]['encode_share']:.0%}; "
+            f"{a.envs} envs on CPU {a.cpu}, policy on {a.device}",
+            flush=True,
+        )
     if len(rows) == 2 and not a.json:
-        print(f"{rows[1]['backend']} / {rows[0]['backend']}: "
-              f"{rows[1]['env_frames_per_s'] / rows[0]['env_frames_per_s']:.2f}x")
+        print(
+            f"{rows[1]['backend']} / {rows[0]['backend']}: "
+            f"{rows[1]['env_frames_per_s'] / rows[0]['env_frames_per_s']:.2f}x"
+        )
     return code
 
 

@@ -26,19 +26,43 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def limits(path: Path) -> dict:
     out = Path(tempfile.mkdtemp(prefix="limits-")) / "limits.json"
-    subprocess.run([sys.executable, str(path), "--quick", "--only", "5", "--json", str(out)], check=True,
-                   stdout=subprocess.DEVNULL, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, str(path), "--quick", "--only", "5", "--json", str(out)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     rows = {r["label"]: r for r in json.loads(out.read_text())["e2e"] if "error" not in r}
-    return {"atari_best": rows["Atari: lz4b -> ctypes straight into slot"]["frames_per_s"],
-            "atari_spec_path": rows["Atari: lz4f -> np.copyto  [spec path]"]["frames_per_s"],
-            "cartpole_best": rows["CartPole: lz4b -> ctypes straight into slot"]["frames_per_s"],
-            "cartpole_spec_path": rows["CartPole: lz4f -> np.copyto  [spec path]"]["frames_per_s"]}
+    return {
+        "atari_best": rows["Atari: lz4b -> ctypes straight into slot"]["frames_per_s"],
+        "atari_spec_path": rows["Atari: lz4f -> np.copyto  [spec path]"]["frames_per_s"],
+        "cartpole_best": rows["CartPole: lz4b -> ctypes straight into slot"]["frames_per_s"],
+        "cartpole_spec_path": rows["CartPole: lz4f -> np.copyto  [spec path]"]["frames_per_s"],
+    }
 
 
 def loadtest(obs: str, actors: int, per_message: int, seconds: float, extra=()) -> dict:
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "loadtest.py"), "--obs", obs, "--actors", str(actors),
-                          "--trajectories-per-message", str(per_message), "--seconds", str(seconds), "--pin",
-                          "--json", *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "loadtest.py"),
+            "--obs",
+            obs,
+            "--actors",
+            str(actors),
+            "--trajectories-per-message",
+            str(per_message),
+            "--seconds",
+            str(seconds),
+            "--pin",
+            "--json",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     if out.returncode != 0:
         raise SystemExit(f"loadtest failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -57,23 +81,36 @@ def main() -> int:
     # "atari_frames_*" is the default since frame dedup: the same env frames in a quarter of the bytes; its ratio to
     # the stacks' ceiling says how much faster the learner takes in Atari frames, not how close to a limit it runs.
     stacks = ("--learner-flag=--frame-dedup=0",)
-    plan = [("atari_8x1", "atari", 8, 1, stacks), ("atari_8x16", "atari", 8, 16, stacks),
-            ("atari_frames_8x1", "atari", 8, 1, ()), ("atari_frames_8x16", "atari", 8, 16, ()),
-            ("cartpole_8x1", "cartpole", 8, 1, ()), ("cartpole_8x16", "cartpole", 8, 16, ())]
+    plan = [
+        ("atari_8x1", "atari", 8, 1, stacks),
+        ("atari_8x16", "atari", 8, 16, stacks),
+        ("atari_frames_8x1", "atari", 8, 1, ()),
+        ("atari_frames_8x16", "atari", 8, 16, ()),
+        ("cartpole_8x1", "cartpole", 8, 1, ()),
+        ("cartpole_8x16", "cartpole", 8, 16, ()),
+    ]
     if not a.skip_scaling:
-        plan += [("atari_4x16", "atari", 4, 16, stacks), ("atari_64x16", "atari", 64, 16, stacks),
-                 ("cartpole_4x16", "cartpole", 4, 16, ()), ("cartpole_64x16", "cartpole", 64, 16, ())]
+        plan += [
+            ("atari_4x16", "atari", 4, 16, stacks),
+            ("atari_64x16", "atari", 64, 16, stacks),
+            ("cartpole_4x16", "cartpole", 4, 16, ()),
+            ("cartpole_64x16", "cartpole", 64, 16, ()),
+        ]
     for name, obs, actors, n, extra in plan:
         runs[name] = loadtest(obs, actors, n, a.seconds, extra)
         print(json.dumps({name: runs[name]}), flush=True)
     summary = {"ceiling_frames_per_s": ceiling}
     for name, r in runs.items():
         best = ceiling["atari_best" if name.startswith("atari") else "cartpole_best"]
-        summary[name] = {"frames_per_s": round(r["frames_per_s"]), "of_best_path": round(r["frames_per_s"] / best, 3),
-                         "decoded_mb_per_s": round(r["decoded_mb_per_s"]),
-                         "latency_p50_ms": r["latency_p50_ms"], "latency_p99_ms": r["latency_p99_ms"],
-                         "loop_lag_p99_ms": r["loop_lag_p99_ms"],
-                         "stages_us_per_traj": {k: round(v * 1e6, 1) for k, v in r["stages"].items()}}
+        summary[name] = {
+            "frames_per_s": round(r["frames_per_s"]),
+            "of_best_path": round(r["frames_per_s"] / best, 3),
+            "decoded_mb_per_s": round(r["decoded_mb_per_s"]),
+            "latency_p50_ms": r["latency_p50_ms"],
+            "latency_p99_ms": r["latency_p99_ms"],
+            "loop_lag_p99_ms": r["loop_lag_p99_ms"],
+            "stages_us_per_traj": {k: round(v * 1e6, 1) for k, v in r["stages"].items()},
+        }
     for obs in ("atari", "cartpole"):
         if f"{obs}_4x16" in runs:
             ratio = runs[f"{obs}_64x16"]["frames_per_s"] / runs[f"{obs}_4x16"]["frames_per_s"]

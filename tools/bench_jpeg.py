@@ -70,7 +70,7 @@ def us_per_frame(fn, frames_count: int, repeats: int) -> list[float]:
 def pieces(a: np.ndarray) -> list[np.ndarray]:
     """The tiled layout: ``a [N, H, W]`` as pictures of at most JPEG_MAX_ROWS rows, cut between frames."""
     per = JPEG_MAX_ROWS // a.shape[1]
-    return [a[i:i + per].reshape(-1, a.shape[2], 1) for i in range(0, len(a), per)]
+    return [a[i : i + per].reshape(-1, a.shape[2], 1) for i in range(0, len(a), per)]
 
 
 def jpeg_library(name: str):
@@ -80,16 +80,20 @@ def jpeg_library(name: str):
             import simplejpeg
         except ImportError:
             return None
-        return (lambda p, q: simplejpeg.encode_jpeg(p, quality=q, colorspace="GRAY", colorsubsampling="Gray"),
-                lambda b, out: simplejpeg.decode_jpeg(b, colorspace="GRAY", buffer=out))
+        return (
+            lambda p, q: simplejpeg.encode_jpeg(p, quality=q, colorspace="GRAY", colorsubsampling="Gray"),
+            lambda b, out: simplejpeg.decode_jpeg(b, colorspace="GRAY", buffer=out),
+        )
     try:
         import turbojpeg
+
         tj = turbojpeg.TurboJPEG()
     except (ImportError, OSError, RuntimeError):  # no module, or no libturbojpeg it can load
         return None
-    return (lambda p, q: tj.encode(p, quality=q, pixel_format=turbojpeg.TJPF_GRAY,
-                                   jpeg_subsample=turbojpeg.TJSAMP_GRAY),
-            lambda b, out: tj.decode(b, pixel_format=turbojpeg.TJPF_GRAY, dst=out))
+    return (
+        lambda p, q: tj.encode(p, quality=q, pixel_format=turbojpeg.TJPF_GRAY, jpeg_subsample=turbojpeg.TJSAMP_GRAY),
+        lambda b, out: tj.decode(b, pixel_format=turbojpeg.TJPF_GRAY, dst=out),
+    )
 
 
 def bench_library(name: str, frames: np.ndarray, quality: int, repeats: int) -> dict | None:
@@ -102,8 +106,9 @@ def bench_library(name: str, frames: np.ndarray, quality: int, repeats: int) -> 
     out = np.empty_like(flat)
     result = {}
     for layout, parts, outs in (
-            ("tiled", pieces(flat), pieces(out)),
-            ("per_frame", [f[:, :, None] for f in flat], [o[:, :, None] for o in out])):
+        ("tiled", pieces(flat), pieces(out)),
+        ("per_frame", [f[:, :, None] for f in flat], [o[:, :, None] for o in out]),
+    ):
         blobs = [encode(p, quality) for p in parts]
 
         def decode_all(blobs=blobs, outs=outs):
@@ -111,8 +116,9 @@ def bench_library(name: str, frames: np.ndarray, quality: int, repeats: int) -> 
                 decode(b, o)
 
         result[layout] = {
-            "encode_us_per_frame": us_per_frame(lambda parts=parts: [encode(p, quality) for p in parts], count,
-                                                repeats),
+            "encode_us_per_frame": us_per_frame(
+                lambda parts=parts: [encode(p, quality) for p in parts], count, repeats
+            ),
             "decode_us_per_frame": us_per_frame(decode_all, count, repeats),
             "bytes_per_frame": round(sum(len(b) for b in blobs) / count, 1),
         }
@@ -174,9 +180,14 @@ def main() -> int:
     a = p.parse_args()
     t0 = time.perf_counter()
     frames = real_frames(a.env, a.trajectories, a.unroll_length)
-    result = {"env": a.env, "frames": int(frames.shape[0] * frames.shape[1]), "frame_shape": list(frames.shape[2:]),
-              "collect_s": round(time.perf_counter() - t0, 1), "quality": a.quality,
-              "lz4": bench_lz4(frames, a.repeats)}
+    result = {
+        "env": a.env,
+        "frames": int(frames.shape[0] * frames.shape[1]),
+        "frame_shape": list(frames.shape[2:]),
+        "collect_s": round(time.perf_counter() - t0, 1),
+        "quality": a.quality,
+        "lz4": bench_lz4(frames, a.repeats),
+    }
     for name in ("simplejpeg", "turbojpeg"):
         result[name] = bench_library(name, frames, a.quality, a.repeats) or "not installed"
     try:

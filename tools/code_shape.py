@@ -33,9 +33,25 @@ def ruff_complexity(root: Path) -> list[tuple[str, int]]:
 
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     try:
-        out = subprocess.run([ruff, "check", "--select", "C901", "--config", "lint.mccabe.max-complexity=0",
-                              "--output-format", "json", "--exit-zero", "--no-cache", "impala_async"],
-                             cwd=root, capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [
+                ruff,
+                "check",
+                "--select",
+                "C901",
+                "--config",
+                "lint.mccabe.max-complexity=0",
+                "--output-format",
+                "json",
+                "--exit-zero",
+                "--no-cache",
+                "impala_async",
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return []
     found = []
@@ -59,10 +75,17 @@ def server_attributes(pkg: Path) -> int | None:
         cls = classes.get(todo.pop())
         if cls is None:
             continue
-        todo += [b.id if isinstance(b, ast.Name) else b.attr for b in cls.bases if isinstance(b, ast.Name | ast.Attribute)]
+        todo += [
+            b.id if isinstance(b, ast.Name) else b.attr for b in cls.bases if isinstance(b, ast.Name | ast.Attribute)
+        ]
         for node in ast.walk(cls):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, ast.AnnAssign | ast.AugAssign) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign | ast.AugAssign)
+                else []
+            )
             for t in targets:
                 for sub in ast.walk(t):
                     if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id == "self":
@@ -89,9 +112,13 @@ def main() -> int:
             if length > FUNCTION_LINES:
                 long_fns.append((f"{rel}:{fn.lineno} {fn.name}", length))
     complex_fns = ruff_complexity(Path(args.root).resolve())
-    out = {"package_lines": lines, f"files_over_{FILE_LINES}_lines": long_files,
-           f"functions_over_{FUNCTION_LINES}_lines": long_fns, "most_complex_functions": complex_fns[:8],
-           "learner_server_attributes": server_attributes(pkg)}
+    out = {
+        "package_lines": lines,
+        f"files_over_{FILE_LINES}_lines": long_files,
+        f"functions_over_{FUNCTION_LINES}_lines": long_fns,
+        "most_complex_functions": complex_fns[:8],
+        "learner_server_attributes": server_attributes(pkg),
+    }
     if args.json:
         print(json.dumps(out, indent=1))
         return 0

@@ -36,10 +36,26 @@ REWARD = re.compile(r"Avg episode reward: \[\(0, '(-?[\d.]+)'\)\]")
 
 def run_sample_factory(sf_python: str, seed: int, target: float, timeout_s: float) -> dict:
     train_dir = tempfile.mkdtemp(prefix="sf-")
-    cmd = [sf_python, "-m", "sf_examples.train_gym_env", "--env=CartPole-v1", "--algo=APPO", "--use_rnn=False",
-           "--num_workers=2", "--num_envs_per_worker=8", "--device=cpu", "--recurrence=1", "--with_vtrace=False",
-           "--batch_size=512", "--reward_scale=0.1", "--save_every_sec=1000", "--experiment_summaries_interval=10",
-           f"--seed={seed}", f"--train_dir={train_dir}", f"--experiment=cartpole_seed{seed}"]
+    cmd = [
+        sf_python,
+        "-m",
+        "sf_examples.train_gym_env",
+        "--env=CartPole-v1",
+        "--algo=APPO",
+        "--use_rnn=False",
+        "--num_workers=2",
+        "--num_envs_per_worker=8",
+        "--device=cpu",
+        "--recurrence=1",
+        "--with_vtrace=False",
+        "--batch_size=512",
+        "--reward_scale=0.1",
+        "--save_every_sec=1000",
+        "--experiment_summaries_interval=10",
+        f"--seed={seed}",
+        f"--train_dir={train_dir}",
+        f"--experiment=cartpole_seed{seed}",
+    ]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     fps, hit, lines = [], None, []
@@ -70,19 +86,47 @@ def run_sample_factory(sf_python: str, seed: int, target: float, timeout_s: floa
     t.join(5)
     end = hit if hit is not None else timeout_s
     steady = [f for now, f, _ in fps if 10 <= now <= end]
-    return {"system": "sample-factory APPO 2x8", "seed": seed, "time_to_target_s": hit,
-            "steady_sps": statistics.median(steady) if steady else None, "fps_samples": len(steady),
-            "log_tail": "".join(lines[-3:]) if hit is None else None}
+    return {
+        "system": "sample-factory APPO 2x8",
+        "seed": seed,
+        "time_to_target_s": hit,
+        "steady_sps": statistics.median(steady) if steady else None,
+        "fps_samples": len(steady),
+        "log_tail": "".join(lines[-3:]) if hit is None else None,
+    }
 
 
 def run_impala_async(seed: int, target: float, timeout_s: float, actors: int, envs: int) -> dict:
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "time_to_return.py"), "--seeds", str(seed),
-                          "--target", str(target), "--timeout-s", str(timeout_s), "--json", "--",
-                          "--env", "CartPole-v1", "--num-actors", str(actors), "--envs-per-actor", str(envs)],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "time_to_return.py"),
+            "--seeds",
+            str(seed),
+            "--target",
+            str(target),
+            "--timeout-s",
+            str(timeout_s),
+            "--json",
+            "--",
+            "--env",
+            "CartPole-v1",
+            "--num-actors",
+            str(actors),
+            "--envs-per-actor",
+            str(envs),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     per_seed = json.loads(out.stdout.strip().splitlines()[0])
-    return {"system": f"impala-async {actors}x{envs}", "seed": seed, "time_to_target_s": per_seed["time_to_target_s"],
-            "steady_sps": per_seed["steady_sps"]}
+    return {
+        "system": f"impala-async {actors}x{envs}",
+        "seed": seed,
+        "time_to_target_s": per_seed["time_to_target_s"],
+        "steady_sps": per_seed["steady_sps"],
+    }
 
 
 def main() -> int:
@@ -102,10 +146,12 @@ def main() -> int:
         print(json.dumps(results[-1]), flush=True)
     sf = [r["steady_sps"] for r in results if r["system"].startswith("sample") and r["steady_sps"]]
     ours = [r["steady_sps"] for r in results if r["system"].startswith("impala") and r["steady_sps"]]
-    summary = {"sf_steady_sps": statistics.median(sf) if sf else None,
-               "impala_async_steady_sps": statistics.median(ours) if ours else None,
-               "sf_times_s": [r["time_to_target_s"] for r in results if r["system"].startswith("sample")],
-               "impala_async_times_s": [r["time_to_target_s"] for r in results if r["system"].startswith("impala")]}
+    summary = {
+        "sf_steady_sps": statistics.median(sf) if sf else None,
+        "impala_async_steady_sps": statistics.median(ours) if ours else None,
+        "sf_times_s": [r["time_to_target_s"] for r in results if r["system"].startswith("sample")],
+        "impala_async_times_s": [r["time_to_target_s"] for r in results if r["system"].startswith("impala")],
+    }
     if sf and ours:
         summary["sps_ratio"] = summary["impala_async_steady_sps"] / summary["sf_steady_sps"]
     print(json.dumps(summary))

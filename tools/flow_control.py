@@ -41,8 +41,19 @@ from impala_async.learner.metrics import read_metrics
 
 def run(env: str, flags: list[str], seconds: float, warmup_s: float) -> dict:
     logdir = Path(tempfile.mkdtemp(prefix="flow-"))
-    cmd = [sys.executable, "-m", "impala_async", "train", "--env", env, "--total-env-steps", str(10**12),
-           "--logdir", str(logdir), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "impala_async",
+        "train",
+        "--env",
+        env,
+        "--total-env-steps",
+        str(10**12),
+        "--logdir",
+        str(logdir),
+        *flags,
+    ]
     with open(logdir / "stderr.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         t0 = time.monotonic()
@@ -96,8 +107,12 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="length of each run")
     p.add_argument("--warmup-s", type=float, default=10.0, help="left out at the start of each run's data")
     p.add_argument("--repeat", type=int, default=1, help="run every setting this many times, alternating")
-    p.add_argument("--settings", nargs="+", default=["--flow-control none", "--flow-control pace"],
-                   help="each one a string of train flags (one run each)")
+    p.add_argument(
+        "--settings",
+        nargs="+",
+        default=["--flow-control none", "--flow-control pace"],
+        help="each one a string of train flags (one run each)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     results = []

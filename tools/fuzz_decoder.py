@@ -34,16 +34,46 @@ from helpers import FUZZ_LIMITS as LIMITS  # noqa: E402  (the same specs, limits
 from helpers import FUZZ_SPECS as SPECS  # noqa: E402
 from helpers import assert_values_allowed, random_arrays  # noqa: E402
 
-KEYS = ["v", "type", "actor", "seq", "policy_version", "incarnation", "n", "episodes", "fields", "sent_at_ns", "dtype",
-        "shape", "codec", "data",
-        "obs", "action", "reward", "terminated", "truncated", "truncation_value", "behaviour_logits"]
+KEYS = [
+    "v",
+    "type",
+    "actor",
+    "seq",
+    "policy_version",
+    "incarnation",
+    "n",
+    "episodes",
+    "fields",
+    "sent_at_ns",
+    "dtype",
+    "shape",
+    "codec",
+    "data",
+    "obs",
+    "action",
+    "reward",
+    "terminated",
+    "truncated",
+    "truncation_value",
+    "behaviour_logits",
+]
 
 
 def seed_messages(spec: TrajectorySpec) -> list[bytes]:
-    return [wire.encode_trajectories(spec, actor_id=f"fuzz/{i}", seq=i, policy_version=1, incarnation=7,
-                                     arrays=random_arrays(spec, n, seed=i), episodes=[(1.5, 3)] * (i % 2), codec=codec,
-                                     sent_at_ns=10**18 if i % 2 else None)
-            for i, (n, codec) in enumerate((n, c) for n in (1, 2, 3) for c in wire.CODECS)]
+    return [
+        wire.encode_trajectories(
+            spec,
+            actor_id=f"fuzz/{i}",
+            seq=i,
+            policy_version=1,
+            incarnation=7,
+            arrays=random_arrays(spec, n, seed=i),
+            episodes=[(1.5, 3)] * (i % 2),
+            codec=codec,
+            sent_at_ns=10**18 if i % 2 else None,
+        )
+        for i, (n, codec) in enumerate((n, c) for n in (1, 2, 3) for c in wire.CODECS)
+    ]
 
 
 def has_bin_key(obj) -> bool:
@@ -110,8 +140,7 @@ def structural(spec: TrajectorySpec, seeds: list[bytes], fdp: atheris.FuzzedData
 def check(spec: TrajectorySpec, decoder: wire.TrajectoryDecoder, data: bytes) -> None:
     try:
         msg = decoder.parse(data)
-        dest = {f.name: np.full((msg.n, *f.shape), 0xAB if f.dtype == np.uint8 else -7, f.dtype)
-                for f in spec.fields}
+        dest = {f.name: np.full((msg.n, *f.shape), 0xAB if f.dtype == np.uint8 else -7, f.dtype) for f in spec.fields}
         decoder.decode_into(msg, dest)
     except wire.Rejected:
         return

@@ -47,8 +47,9 @@ def network(checkpoint: str, env_id: str, unroll_length: int) -> tuple[torch.nn.
         spec = TrajectorySpec.from_dict(state["spec"])
         return evaluate.build_network(cfg, spec, state["learner"]["model"]), spec, cfg.env
     env = make_env(env_id)
-    spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, unroll_length,
-                                      frame_stack=frame_stack_of(env))
+    spec = TrajectorySpec.from_spaces(
+        env.observation_space, env.action_space, unroll_length, frame_stack=frame_stack_of(env)
+    )
     env.close()
     torch.manual_seed(0)
     return build_model(spec, ModelConfig(input_scale=1 / 255).resolved(spec)).eval(), spec, env_id
@@ -83,10 +84,11 @@ def through_jpeg(obs: np.ndarray, done: np.ndarray, S: int, quality: int) -> np.
     out = np.empty_like(packed)
     H, W = packed.shape[-2:]
     for i in range(0, len(packed), MESSAGE_TRAJECTORIES):
-        part = packed[i:i + MESSAGE_TRAJECTORIES]
+        part = packed[i : i + MESSAGE_TRAJECTORIES]
         payload = codecs.encode_jpeg(part, quality)
-        codecs.decode_jpeg_into(codecs.split_jpeg(payload, part.shape[0] * part.shape[1], H, W),
-                                out[i:i + MESSAGE_TRAJECTORIES], H, W)
+        codecs.decode_jpeg_into(
+            codecs.split_jpeg(payload, part.shape[0] * part.shape[1], H, W), out[i : i + MESSAGE_TRAJECTORIES], H, W
+        )
     flags = torch.from_numpy(done)
     return frames.unstack(torch.from_numpy(out), flags, torch.zeros_like(flags), S).numpy()
 
@@ -144,9 +146,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2400, help="agent steps played (rounded up to whole unrolls)")
     p.add_argument("--qualities", default="75,90,95")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sharpen", type=float, default=0.0, help=(
-        "also report the policy softmax(k * logits) with k chosen for this mean entropy in nats (a sensitivity figure: "
-        "how far the same logit changes would move a confident policy; 0: no)"))
+    p.add_argument(
+        "--sharpen",
+        type=float,
+        default=0.0,
+        help=(
+            "also report the policy softmax(k * logits) with k chosen for this mean entropy in nats (a sensitivity "
+            "figure: how far the same logit changes would move a confident policy; 0: no)"
+        ),
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -157,8 +165,14 @@ def main() -> int:
     obs, actions, done = play(model, spec, env_id, unrolls, a.seed)
     z_orig = logits_of(model, obs[:, :-1])
     k = sharpening(z_orig, a.sharpen) if a.sharpen else 0.0
-    result = {"checkpoint": a.checkpoint or None, "env": env_id, "unroll_length": spec.unroll_length,
-              "policy_entropy_mean_nats": entropy(z_orig), "sharpened_by": k, "qualities": {}}
+    result = {
+        "checkpoint": a.checkpoint or None,
+        "env": env_id,
+        "unroll_length": spec.unroll_length,
+        "policy_entropy_mean_nats": entropy(z_orig),
+        "sharpened_by": k,
+        "qualities": {},
+    }
     for q in (int(x) for x in a.qualities.split(",")):
         decoded = through_jpeg(obs, done, spec.frame_stack, q)
         z_dec = logits_of(model, decoded[:, :-1])
@@ -166,12 +180,15 @@ def main() -> int:
         result["qualities"][str(q)] = {
             "pixel_error_mean": float(pixels.mean()),
             "pixel_error_signed_mean": float((decoded - obs.astype(np.float64)).mean()),
-            "logit_change_mean": float(np.abs(z_dec - z_orig).mean()), "logit_std": float(z_orig.std(axis=1).mean()),
-            **compare(log_softmax(z_orig), log_softmax(z_dec), actions.reshape(-1))}
+            "logit_change_mean": float(np.abs(z_dec - z_orig).mean()),
+            "logit_std": float(z_orig.std(axis=1).mean()),
+            **compare(log_softmax(z_orig), log_softmax(z_dec), actions.reshape(-1)),
+        }
         if k:  # actions as the sharpened policy would take them (Gumbel-max on its logits), in the same states
             gumbel = -np.log(-np.log(np.random.default_rng(a.seed).random(z_orig.shape)))
-            result["qualities"][str(q)]["sharpened"] = compare(log_softmax(k * z_orig), log_softmax(k * z_dec),
-                                                               np.argmax(k * z_orig + gumbel, axis=1))
+            result["qualities"][str(q)]["sharpened"] = compare(
+                log_softmax(k * z_orig), log_softmax(k * z_dec), np.argmax(k * z_orig + gumbel, axis=1)
+            )
     print(json.dumps(result) if a.json else json.dumps(result, indent=1))
     return 0
 

@@ -65,6 +65,7 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
     if a.curve_keys:
         from impala_async.ops import auth
+
         keys = auth.load_actor_keys(a.curve_keys)
         auth.make_curve_client(sub, keys)
         auth.make_curve_client(push, keys)
@@ -83,6 +84,7 @@ def synthetic_actor(a: argparse.Namespace) -> int:
     if first is None:
         return 3
     from impala_async.actors.endpoints import Endpoints
+
     Endpoints(push, a.learner).update(first.run_info)  # a learner of several ranks: push to every rank, round-robin
     spec = TrajectorySpec.from_dict(first.run_info["spec"])
     version, incarnation = first.version, first.incarnation
@@ -119,8 +121,14 @@ def synthetic_actor(a: argparse.Namespace) -> int:
         for name, x in stacked.items():
             codec = a.codec if a.codec != "jpeg" or (name == image and geometry) else "lz4"
             t0 = time.process_time()  # this process's CPU time: actors sharing a core do not inflate it
-            payloads[name] = (codec, codecs.encode_jpeg(x, a.jpeg_quality) if codec == "jpeg" else
-                              lz4.block.compress(x) if codec == "lz4" else x.tobytes())
+            payloads[name] = (
+                codec,
+                codecs.encode_jpeg(x, a.jpeg_quality)
+                if codec == "jpeg"
+                else lz4.block.compress(x)
+                if codec == "lz4"
+                else x.tobytes(),
+            )
             if name == image:
                 encode_s += time.process_time() - t0
                 image_bytes += len(payloads[name][1])
@@ -139,11 +147,24 @@ def synthetic_actor(a: argparse.Namespace) -> int:
             latest = wire.weights_header(sub.recv())
             version, incarnation = (version, incarnation) if latest is None else latest
         payloads = distinct[seq % len(distinct)]
-        fields = {name: {"dtype": d, "shape": s, "codec": payloads[name][0], "data": payloads[name][1]}
-                  for name, (d, s) in field_meta.items()}
-        msg = msgpack.packb({"v": wire.PROTOCOL_VERSION, "type": "trajectories", "actor": ident, "seq": seq,
-                             "policy_version": version, "incarnation": incarnation, "n": N, "episodes": [],
-                             "fields": fields, "sent_at_ns": time.time_ns()})
+        fields = {
+            name: {"dtype": d, "shape": s, "codec": payloads[name][0], "data": payloads[name][1]}
+            for name, (d, s) in field_meta.items()
+        }
+        msg = msgpack.packb(
+            {
+                "v": wire.PROTOCOL_VERSION,
+                "type": "trajectories",
+                "actor": ident,
+                "seq": seq,
+                "policy_version": version,
+                "incarnation": incarnation,
+                "n": N,
+                "episodes": [],
+                "fields": fields,
+                "sent_at_ns": time.time_ns(),
+            }
+        )
         if per_actor_rate:
             next_at += 1.0 / per_actor_rate
             delay = next_at - time.monotonic()
@@ -160,10 +181,19 @@ def synthetic_actor(a: argparse.Namespace) -> int:
         sent += N
         seq += 1
     elapsed = time.monotonic() - start
-    print(json.dumps({"trajectories_sent": sent, "blocked_frac": blocked_s / max(elapsed, 1e-9),
-                      "seconds": elapsed, "planes_per_trajectory": planes,
-                      "encode_us_per_frame": encode_s / encoded_frames * 1e6 if encoded_frames else None,
-                      "wire_bytes_per_frame": image_bytes / encoded_frames if encoded_frames else None}), flush=True)
+    print(
+        json.dumps(
+            {
+                "trajectories_sent": sent,
+                "blocked_frac": blocked_s / max(elapsed, 1e-9),
+                "seconds": elapsed,
+                "planes_per_trajectory": planes,
+                "encode_us_per_frame": encode_s / encoded_frames * 1e6 if encoded_frames else None,
+                "wire_bytes_per_frame": image_bytes / encoded_frames if encoded_frames else None,
+            }
+        ),
+        flush=True,
+    )
     sub.close(0)
     push.close(0)
     ctx.term()
@@ -178,10 +208,12 @@ def _affinity(cpus):
 def _live_line(r: dict) -> str:
     stages = r.get("stage_s_per_trajectory") or {}
     share = " ".join(f"{k} {v * 1e6:.0f}us" for k, v in stages.items() if v)
-    return (f"{r['wall_s']:7.1f}s  frames/s {r['sps']:>11,.0f}  traj/s {r['trajectories_per_s']:>9,.0f}  "
-            f"wire {r['wire_mb_per_s']:7.1f} MB/s  decoded {r['decoded_mb_per_s']:8.1f} MB/s  "
-            f"lat p50/p99 {r['latency_p50_ms']}/{r['latency_p99_ms']} ms  loop p99 {r['loop_lag_p99_ms']} ms  "
-            f"dropped {r['trajectories_dropped']}  rejected {r['trajectories_rejected']}  [{share}]")
+    return (
+        f"{r['wall_s']:7.1f}s  frames/s {r['sps']:>11,.0f}  traj/s {r['trajectories_per_s']:>9,.0f}  "
+        f"wire {r['wire_mb_per_s']:7.1f} MB/s  decoded {r['decoded_mb_per_s']:8.1f} MB/s  "
+        f"lat p50/p99 {r['latency_p50_ms']}/{r['latency_p99_ms']} ms  loop p99 {r['loop_lag_p99_ms']} ms  "
+        f"dropped {r['trajectories_dropped']}  rejected {r['trajectories_rejected']}  [{share}]"
+    )
 
 
 def _flag(flags: list[str], name: str, default):
@@ -235,20 +267,35 @@ def main() -> int:
     p.add_argument("--metrics", default="", help="attach mode: the learner's metrics.jsonl, if readable here")
     p.add_argument("--curve-keys", default="", help="actor key directory (actor.key_secret, learner.key)")
     p.add_argument("--train", action="store_true", help="full training mode instead of ingest-only")
-    p.add_argument("--learner-ranks", type=int, default=1, help=(
-        "learner ranks (README, Several learner ranks): each binds its own trajectory socket and the synthetic actors "
-        "push to all of them; with --train they train in lock step (default: 1)"))
+    p.add_argument(
+        "--learner-ranks",
+        type=int,
+        default=1,
+        help=(
+            "learner ranks (README, Several learner ranks): each binds its own trajectory socket and the synthetic "
+            "actors push to all of them; with --train they train in lock step (default: 1)"
+        ),
+    )
     p.add_argument("--obs", choices=sorted(ENVS), default="atari")
     p.add_argument("--actors", type=int, default=8)
     p.add_argument("--unroll-length", type=int, default=80)
-    p.add_argument("--trajectories-per-message", type=int, default=16, help=(
-        "trajectories per message (real actors send one per environment of an unroll: 32 by default)"))
+    p.add_argument(
+        "--trajectories-per-message",
+        type=int,
+        default=16,
+        help=("trajectories per message (real actors send one per environment of an unroll: 32 by default)"),
+    )
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--codec", default="lz4", help="lz4, none or jpeg, or several separated by commas, measured in "
-                                                  "turn (jpeg: --obs ale; lz4 is always measured beside it)")
+    p.add_argument(
+        "--codec",
+        default="lz4",
+        help="lz4, none or jpeg, or several separated by commas, measured in "
+        "turn (jpeg: --obs ale; lz4 is always measured beside it)",
+    )
     p.add_argument("--jpeg-quality", type=int, default=90)
-    p.add_argument("--rate", type=float, default=0.0, help="offered env frames/s over all actors (0: as fast as "
-                                                          "possible)")
+    p.add_argument(
+        "--rate", type=float, default=0.0, help="offered env frames/s over all actors (0: as fast as possible)"
+    )
     p.add_argument("--seconds", type=float, default=20.0, help="measurement window")
     p.add_argument("--warmup-s", type=float, default=5.0, help="ignored start of the run, after the first data")
     p.add_argument("--pin", action="store_true", help="learner on CPU 0, actors on the other CPUs")
@@ -266,16 +313,35 @@ def main() -> int:
         raise SystemExit(f"loadtest: --codec takes {', '.join(CODECS)} (comma-separated), got {a.codec!r}")
     if "jpeg" in chosen:
         if a.obs != "ale" and not a.learner:
-            raise SystemExit("loadtest: --codec jpeg is measured on real ALE frames: use --obs ale (--obs atari's "
-                             "PongLike frames are synthetic, flat pictures that say nothing about JPEG)")
+            raise SystemExit(
+                "loadtest: --codec jpeg is measured on real ALE frames: use --obs ale (--obs atari's "
+                "PongLike frames are synthetic, flat pictures that say nothing about JPEG)"
+            )
         chosen = ["lz4"] * ("lz4" not in chosen) + chosen
     results = {}
     for codec in chosen:
         a.codec = codec
         results[codec] = measure(a)
-    result = results[chosen[0]] if len(chosen) == 1 else {"codecs": results, "comparison": {
-        c: {k: r.get(k) for k in ("frames_per_s", "wire_mb_per_s", "encode_us_per_frame", "decode_us_per_frame",
-                                   "wire_bytes_per_frame")} for c, r in results.items()}}
+    result = (
+        results[chosen[0]]
+        if len(chosen) == 1
+        else {
+            "codecs": results,
+            "comparison": {
+                c: {
+                    k: r.get(k)
+                    for k in (
+                        "frames_per_s",
+                        "wire_mb_per_s",
+                        "encode_us_per_frame",
+                        "decode_us_per_frame",
+                        "wire_bytes_per_frame",
+                    )
+                }
+                for c, r in results.items()
+            },
+        }
+    )
     if a.json:
         print(json.dumps(result))
     else:
@@ -293,13 +359,42 @@ def measure(a: argparse.Namespace) -> dict:
     learner = None
     metrics_path = Path(a.metrics) if a.metrics else None
     if not a.learner:
-        cmd = [sys.executable, "-m", "impala_async", "learner", "--env", ENVS[a.obs], "--listen", "tcp://127.0.0.1:*",
-               "--unroll-length", str(a.unroll_length), "--batch-size", str(a.batch_size), "--logdir", str(tmp),
-               "--ingest-only", "0" if a.train else "1", "--total-env-steps", str(10**15),
-               "--report-interval-s", "1", "--no-data-timeout-s", "600", "--checkpoint-interval-s", "100000",
-               "--learner-ranks", str(a.learner_ranks), *a.learner_flag]
-        learner = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(tmp / "learner.log", "w"), text=True,
-                                   preexec_fn=_affinity(learner_cpus))
+        cmd = [
+            sys.executable,
+            "-m",
+            "impala_async",
+            "learner",
+            "--env",
+            ENVS[a.obs],
+            "--listen",
+            "tcp://127.0.0.1:*",
+            "--unroll-length",
+            str(a.unroll_length),
+            "--batch-size",
+            str(a.batch_size),
+            "--logdir",
+            str(tmp),
+            "--ingest-only",
+            "0" if a.train else "1",
+            "--total-env-steps",
+            str(10**15),
+            "--report-interval-s",
+            "1",
+            "--no-data-timeout-s",
+            "600",
+            "--checkpoint-interval-s",
+            "100000",
+            "--learner-ranks",
+            str(a.learner_ranks),
+            *a.learner_flag,
+        ]
+        learner = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=open(tmp / "learner.log", "w"),
+            text=True,
+            preexec_fn=_affinity(learner_cpus),
+        )
         line = learner.stdout.readline()
         m = re.search(r"--learner (\S+) --weights (\S+)", line)
         if not m:
@@ -312,15 +407,36 @@ def measure(a: argparse.Namespace) -> dict:
         a.weights = f"{host}:{int(port) + 1}"
     actors = []
     for i in range(a.actors):
-        cmd = [sys.executable, __file__, "--actor-worker", "--index", str(i), "--learner", a.learner,
-               "--weights", a.weights, "--actors", str(a.actors), "--trajectories-per-message",
-               str(a.trajectories_per_message), "--codec", a.codec, "--jpeg-quality", str(a.jpeg_quality),
-               "--rate", str(a.rate),
-               "--send-hwm", str(a.send_hwm), "--distinct", str(a.distinct)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--actor-worker",
+            "--index",
+            str(i),
+            "--learner",
+            a.learner,
+            "--weights",
+            a.weights,
+            "--actors",
+            str(a.actors),
+            "--trajectories-per-message",
+            str(a.trajectories_per_message),
+            "--codec",
+            a.codec,
+            "--jpeg-quality",
+            str(a.jpeg_quality),
+            "--rate",
+            str(a.rate),
+            "--send-hwm",
+            str(a.send_hwm),
+            "--distinct",
+            str(a.distinct),
+        ]
         if a.curve_keys:
             cmd += ["--curve-keys", a.curve_keys]
         actors.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=_affinity(actor_cpus)))
     import psutil
+
     rss_mib: list[tuple[bool, float]] = []  # (data flowing yet, learner RSS)
     try:
         t_first = None
@@ -359,15 +475,24 @@ def measure(a: argparse.Namespace) -> dict:
                 learner.wait(30)
             except subprocess.TimeoutExpired:
                 learner.kill()
-    result = {"obs": a.obs, "actors": a.actors, "train": a.train, "learner_ranks": a.learner_ranks,
-              "unroll_length": a.unroll_length,
-              "trajectories_per_message": a.trajectories_per_message, "codec": a.codec, "rate": a.rate,
-              "pinned": a.pin, "sender_trajectories": sum(s["trajectories_sent"] for s in sent),
-              "sender_blocked_frac": statistics.mean(s["blocked_frac"] for s in sent) if sent else None}
+    result = {
+        "obs": a.obs,
+        "actors": a.actors,
+        "train": a.train,
+        "learner_ranks": a.learner_ranks,
+        "unroll_length": a.unroll_length,
+        "trajectories_per_message": a.trajectories_per_message,
+        "codec": a.codec,
+        "rate": a.rate,
+        "pinned": a.pin,
+        "sender_trajectories": sum(s["trajectories_sent"] for s in sent),
+        "sender_blocked_frac": statistics.mean(s["blocked_frac"] for s in sent) if sent else None,
+    }
     rows = read_metrics(metrics_path)
     if rows and t_first is not None:
-        result.update(summarise(rows, t_first + a.warmup_s,
-                                a.batch_size * a.unroll_length if learner is not None else None))
+        result.update(
+            summarise(rows, t_first + a.warmup_s, a.batch_size * a.unroll_length if learner is not None else None)
+        )
     if rss_mib and rows:
         # What the learner may hold beyond its idle footprint: the ring and decode scratch (touched as they fill)
         # and, per connected actor, receive_hwm_messages queued messages of at most max_message_bytes.
@@ -376,8 +501,9 @@ def measure(a: argparse.Namespace) -> dict:
         max_msg_mib = int(_flag(a.learner_flag, "--max-message-bytes", 16 << 20)) / 2**20
         result["rss_mib_idle"] = round(before[-1] if before else rss_mib[0][1], 1)
         result["rss_mib_max"] = round(max(m for _, m in rss_mib), 1)
-        result["rss_bound_mib"] = round(result["rss_mib_idle"] + rows[-1]["ring_mib"] + rows[-1]["scratch_mib"]
-                                        + a.actors * hwm * max_msg_mib, 1)
+        result["rss_bound_mib"] = round(
+            result["rss_mib_idle"] + rows[-1]["ring_mib"] + rows[-1]["scratch_mib"] + a.actors * hwm * max_msg_mib, 1
+        )
     planes = sent[0]["planes_per_trajectory"] if sent else 0
     decode_s = (result.get("stages") or {}).get("decode")
     result["encode_us_per_frame"] = _median([s["encode_us_per_frame"] for s in sent])

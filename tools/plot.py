@@ -67,30 +67,41 @@ def parse_size(text: str) -> tuple[int, int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     p.add_argument("runs", nargs="+", metavar="LOGDIR", help="run directories (or metrics.jsonl files)")
     p.add_argument("-o", "--output", required=True, help="image to write (.png, .svg, .pdf)")
     p.add_argument("--labels", default="", help="comma-separated label per LOGDIR (default: the directory names)")
-    p.add_argument("--metric", default="episode_return_mean", help="metrics.jsonl key on the y axis "
-                                                                     "(default: episode_return_mean)")
-    p.add_argument("--median", action="store_true",
-                   help="per label: the median of its runs, with the range between min and max shaded")
-    p.add_argument("--size", type=parse_size, default=(1200, 450), metavar="WxH",
-                   help="image size in pixels (default: 1200x450)")
+    p.add_argument(
+        "--metric", default="episode_return_mean", help="metrics.jsonl key on the y axis (default: episode_return_mean)"
+    )
+    p.add_argument(
+        "--median",
+        action="store_true",
+        help="per label: the median of its runs, with the range between min and max shaded",
+    )
+    p.add_argument(
+        "--size", type=parse_size, default=(1200, 450), metavar="WxH", help="image size in pixels (default: 1200x450)"
+    )
     p.add_argument("--dpi", type=int, default=100, help="dots per inch (default: 100)")
     p.add_argument("--title", default="", help="figure title")
     args = p.parse_args(argv)
 
-    labels = [s.strip() for s in args.labels.split(",")] if args.labels else \
-        [metrics_path(r).parent.name or str(r) for r in args.runs]
+    labels = (
+        [s.strip() for s in args.labels.split(",")]
+        if args.labels
+        else [metrics_path(r).parent.name or str(r) for r in args.runs]
+    )
     if len(labels) != len(args.runs):
         p.error(f"--labels names {len(labels)} runs, {len(args.runs)} given")
     try:
         import matplotlib
     except ImportError:
-        print("plot.py: needs matplotlib: pip install 'impala-async[plot]' (or pip install 'matplotlib>=3.7')",
-              file=sys.stderr)
+        print(
+            "plot.py: needs matplotlib: pip install 'impala-async[plot]' (or pip install 'matplotlib>=3.7')",
+            file=sys.stderr,
+        )
         return 2
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -119,8 +130,16 @@ def main(argv=None) -> int:
             series = [data[x_key] for lab, data in runs if lab == label and data[x_key][0]]
             faint = args.median and len(series) > 1
             for i, (x, y) in enumerate(series):
-                ax.plot(x, y, color=colours[label], lw=0.8 if faint else 1.5, alpha=0.3 if faint else 1.0,
-                        marker="o" if len(x) < 5 else None, ms=3, label=None if faint or i else label)
+                ax.plot(
+                    x,
+                    y,
+                    color=colours[label],
+                    lw=0.8 if faint else 1.5,
+                    alpha=0.3 if faint else 1.0,
+                    marker="o" if len(x) < 5 else None,
+                    ms=3,
+                    label=None if faint or i else label,
+                )
             band = median_band(series) if faint else None
             if band is not None:
                 grid, median, low, high = band

@@ -76,16 +76,24 @@ def garbage_sender(listen: str, weights: str, rate_per_s: float, stop: threading
         lambda s: valid(0),  # replay after the first one
         lambda s: b"\x91" * 50_000 + b"\xc0",
         lambda s: b"\xdd\xff\xff\xff\xff",
-        lambda s: msgpack.packb({"v": 2, "type": "trajectories", "n": 1, "fields": {"obs": {"data": (2**31).to_bytes(
-            4, "little") + b"x" * 30}}}),
+        lambda s: msgpack.packb(
+            {
+                "v": 2,
+                "type": "trajectories",
+                "n": 1,
+                "fields": {"obs": {"data": (2**31).to_bytes(4, "little") + b"x" * 30}},
+            }
+        ),
         lambda s: valid(s, edit=lambda a: (a["terminated"].fill(1), a["truncated"].fill(1))),
         lambda s: valid(s, episodes=[(1.7e308, 1)]),
         lambda s: valid(s, sent_at_ns=0),
         lambda s: attacks.poisoned(view, actor="garbage-poison", seq=s),
-        lambda s: attacks.poisoned(view, actor="garbage-poison2", seq=s,
-                                   fields=("truncation_value", "reward", "behaviour_logits")),
-        lambda s: valid(s, raw_edit=lambda m: m["fields"]["obs"].update(shape=[float(x) for x in
-                                                                               m["fields"]["obs"]["shape"]])),
+        lambda s: attacks.poisoned(
+            view, actor="garbage-poison2", seq=s, fields=("truncation_value", "reward", "behaviour_logits")
+        ),
+        lambda s: valid(
+            s, raw_edit=lambda m: m["fields"]["obs"].update(shape=[float(x) for x in m["fields"]["obs"]["shape"]])
+        ),
     ]
     seq = 1
     while not stop.is_set():
@@ -112,7 +120,7 @@ def garbage_sender(listen: str, weights: str, rate_per_s: float, stop: threading
 def attacker(listen: str, weights: str, every_s: float, stop: threading.Event, done: list) -> None:
     """The heavier attacks, one every every_s, in turn."""
     ctx = zmq.Context()
-    host, port = listen[len("tcp://"):].rsplit(":", 1)
+    host, port = listen[len("tcp://") :].rsplit(":", 1)
     port = int(port)
     wport = int(weights.rsplit(":", 1)[1])
     pusher = ctx.socket(zmq.PUSH)
@@ -158,16 +166,44 @@ def main() -> int:
     p.add_argument("--attack-every-s", type=float, default=10)
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--max-rss-growth-mib", type=float, default=20)
-    p.add_argument("--max-copies-per-s", type=float, default=3.0,
-                   help="weights copies an honest subscriber may receive per second (publish interval 1 s)")
+    p.add_argument(
+        "--max-copies-per-s",
+        type=float,
+        default=3.0,
+        help="weights copies an honest subscriber may receive per second (publish interval 1 s)",
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
 
     logdir = Path(tempfile.mkdtemp(prefix="soak-"))
-    cmd = [sys.executable, "-m", "impala_async", "train", "--env", "CartPole-v1", "--num-actors", str(a.actors),
-           "--envs-per-actor", "8", "--total-env-steps", str(10**13), "--logdir", str(logdir),
-           "--checkpoint-interval-s", "30", "--heartbeat-timeout-s", "5", "--max-actor-restarts", "1000",
-           "--report-interval-s", "2", "--publish-interval-s", "1", "--max-policy-lag", "1000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "impala_async",
+        "train",
+        "--env",
+        "CartPole-v1",
+        "--num-actors",
+        str(a.actors),
+        "--envs-per-actor",
+        "8",
+        "--total-env-steps",
+        str(10**13),
+        "--logdir",
+        str(logdir),
+        "--checkpoint-interval-s",
+        "30",
+        "--heartbeat-timeout-s",
+        "5",
+        "--max-actor-restarts",
+        "1000",
+        "--report-interval-s",
+        "2",
+        "--publish-interval-s",
+        "1",
+        "--max-policy-lag",
+        "1000",
+    ]
     log = open(logdir / "train.log", "w")
     learner = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
     line = learner.stdout.readline()
@@ -175,9 +211,10 @@ def main() -> int:
     weights = weights.strip()
     stop = threading.Event()
     sent, done = [0], []
-    threads = [threading.Thread(target=garbage_sender, args=(listen, weights, a.garbage_per_s, stop, sent),
-                                daemon=True),
-               threading.Thread(target=attacker, args=(listen, weights, a.attack_every_s, stop, done), daemon=True)]
+    threads = [
+        threading.Thread(target=garbage_sender, args=(listen, weights, a.garbage_per_s, stop, sent), daemon=True),
+        threading.Thread(target=attacker, args=(listen, weights, a.attack_every_s, stop, done), daemon=True),
+    ]
     for t in threads:
         t.start()
     ctx = zmq.Context()
@@ -250,9 +287,10 @@ def main() -> int:
         "garbage_sent": sent[0],
         "attacks": {name: done.count(name) for name in sorted(set(done))},
         "messages_rejected": final.get("messages_rejected"),
-        "rejected_by_reason": {k[len("rejected_"):]: v for k, v in final.items() if k.startswith("rejected_") and v},
-        "connections_cut": {k[len("connections_cut_"):]: v for k, v in final.items()
-                            if k.startswith("connections_cut_") and v},
+        "rejected_by_reason": {k[len("rejected_") :]: v for k, v in final.items() if k.startswith("rejected_") and v},
+        "connections_cut": {
+            k[len("connections_cut_") :]: v for k, v in final.items() if k.startswith("connections_cut_") and v
+        },
         "inputs_clipped": final.get("inputs_clipped"),
         "updates_skipped_nonfinite": final.get("updates_skipped_nonfinite"),
         "checkpoint_failures": final.get("checkpoint_failures"),
@@ -261,8 +299,15 @@ def main() -> int:
         "actor_restarts": final.get("actor_restarts"),
         "logdir": str(logdir),
     }
-    ok = (code == 0 and progressed and found is not None and growth is not None
-          and growth < a.max_rss_growth_mib and copies_per_s is not None and copies_per_s <= a.max_copies_per_s)
+    ok = (
+        code == 0
+        and progressed
+        and found is not None
+        and growth is not None
+        and growth < a.max_rss_growth_mib
+        and copies_per_s is not None
+        and copies_per_s <= a.max_copies_per_s
+    )
     result["ok"] = ok
     print(json.dumps(result) if a.json else json.dumps(result, indent=1))
     return 0 if ok else 1

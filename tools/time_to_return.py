@@ -104,9 +104,12 @@ def main() -> int:
         "steady_sps": [r["steady_sps"] for r in results],
         "cpus": os.cpu_count(),
     }
-    print(json.dumps(summary) if a.json else
-          f"reached {summary['reached']}; times {times}; median {summary['median_time_s']}; "
-          f"steady sps {summary['steady_sps']}")
+    print(
+        json.dumps(summary)
+        if a.json
+        else f"reached {summary['reached']}; times {times}; median {summary['median_time_s']}; "
+        f"steady sps {summary['steady_sps']}"
+    )
     return 0 if len(done) == len(times) else 1
 
 

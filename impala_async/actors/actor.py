@@ -106,8 +106,9 @@ def image_codec(run_info: dict, codec: str) -> tuple[str, int]:
     return wire.CODEC_JPEG, int(run_info.get("jpeg_quality", codecs.DEFAULT_QUALITY))
 
 
-def _receive_weights(sub: zmq.Socket, max_bytes: int, timeout_ms: int,
-                     have: tuple[int, int] | None = None) -> wire.WeightsMessage | None:
+def _receive_weights(
+    sub: zmq.Socket, max_bytes: int, timeout_ms: int, have: tuple[int, int] | None = None
+) -> wire.WeightsMessage | None:
     """Newest weights message (SUB is CONFLATEd) unless it is the ``(version, incarnation)`` already ``have``, or
     None if none arrived within timeout_ms."""
     if not sub.poll(timeout_ms, zmq.POLLIN):
@@ -137,6 +138,7 @@ def run(cfg: ActorConfig) -> int:
     push = ctx.socket(zmq.PUSH)
     if cfg.curve_keys:
         from ..ops import auth
+
         keys = auth.load_actor_keys(cfg.curve_keys)
         auth.make_curve_client(sub, keys)
         auth.make_curve_client(push, keys)
@@ -163,8 +165,15 @@ def run(cfg: ActorConfig) -> int:
         ctx.term()
 
 
-def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, stop: _Stop, beat: Heartbeat,
-         watch: HandshakeWatch) -> int:
+def _act(
+    cfg: ActorConfig,
+    actor_id: str,
+    sub: zmq.Socket,
+    push: zmq.Socket,
+    stop: _Stop,
+    beat: Heartbeat,
+    watch: HandshakeWatch,
+) -> int:
     opts = cfg.options
     deadline = time.monotonic() + opts.max_wait_for_weights_s
     first = None
@@ -174,8 +183,13 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
         if stop.requested:
             return 0
         if time.monotonic() > deadline:
-            log.error("actor %d: no weights from %s within %.0f s: %s", cfg.index, cfg.weights,
-                      opts.max_wait_for_weights_s, watch.diagnosis())
+            log.error(
+                "actor %d: no weights from %s within %.0f s: %s",
+                cfg.index,
+                cfg.weights,
+                opts.max_wait_for_weights_s,
+                watch.diagnosis(),
+            )
             return EXIT_REFUSED if watch.refused else EXIT_NO_WEIGHTS
         first = _receive_weights(sub, MAX_WEIGHTS_BYTES, 100)
     policy = Policy(first, opts.device)
@@ -204,8 +218,16 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
     seq = 0
     state = policy.initial_state(K)  # carried across unrolls; reset where an episode begins
     pace = first.pace_s_per_trajectory  # flow control: the least seconds per trajectory between unroll starts
-    log.info("actor %d (%s): %d x %s (%s, %s), policy version %d", cfg.index, actor_id, K, run_info["env_id"],
-             envs.backend, policy.device, policy.version)
+    log.info(
+        "actor %d (%s): %d x %s (%s, %s), policy version %d",
+        cfg.index,
+        actor_id,
+        K,
+        run_info["env_id"],
+        envs.backend,
+        policy.device,
+        policy.version,
+    )
     while not stop.requested:
         unroll_start = time.monotonic()
         state = unroll(policy, envs, state, rng, buf, obs_buf, beat)
@@ -217,11 +239,20 @@ def _act(cfg: ActorConfig, actor_id: str, sub: zmq.Socket, push: zmq.Socket, sto
                 return 2
         episodes = envs.pop_episodes()
         for lo in range(0, K, per_message):  # the learner caps trajectories per message
-            part = buf if per_message >= K else {name: a[lo:lo + per_message] for name, a in buf.items()}
-            msg = wire.encode_trajectories(spec, actor_id=actor_id, seq=seq, policy_version=policy.version,
-                                           incarnation=policy.incarnation, arrays=part, episodes=episodes,
-                                           codec=opts.codec, sent_at_ns=time.time_ns(), image_codec=images,
-                                           jpeg_quality=quality)
+            part = buf if per_message >= K else {name: a[lo : lo + per_message] for name, a in buf.items()}
+            msg = wire.encode_trajectories(
+                spec,
+                actor_id=actor_id,
+                seq=seq,
+                policy_version=policy.version,
+                incarnation=policy.incarnation,
+                arrays=part,
+                episodes=episodes,
+                codec=opts.codec,
+                sent_at_ns=time.time_ns(),
+                image_codec=images,
+                jpeg_quality=quality,
+            )
             if not _send(push, msg, stop, beat):
                 break
             seq += 1
@@ -283,8 +314,13 @@ class HandshakeWatch:
     ``ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL`` (the handshake cannot be decrypted); nothing listening shows as no
     ``ZMQ_EVENT_CONNECTED`` at all. docs/protocol.md (Keys) says the same for actors in other languages."""
 
-    EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-              | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    EVENTS = (
+        zmq.EVENT_CONNECTED
+        | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
 
     def __init__(self, sock: zmq.Socket, address: str):
         self.address = address
@@ -307,13 +343,21 @@ class HandshakeWatch:
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 self.refused += 1
                 if self.refused == 1 or (self.refused & (self.refused - 1)) == 0:
-                    log.error("the learner at %s refused this actor's key (ZAP status %s): its public key is not in "
-                              "the learner's allowed/ directory", self.address, event["value"])
+                    log.error(
+                        "the learner at %s refused this actor's key (ZAP status %s): its public key is not in "
+                        "the learner's allowed/ directory",
+                        self.address,
+                        event["value"],
+                    )
             else:
                 self.failed += 1
                 if self.failed == 1:
-                    log.error("handshake with the learner at %s failed (%s): with --curve-keys, is learner.key the "
-                              "learner's current public key?", self.address, event["event"])
+                    log.error(
+                        "handshake with the learner at %s failed (%s): with --curve-keys, is learner.key the "
+                        "learner's current public key?",
+                        self.address,
+                        event["event"],
+                    )
 
     def diagnosis(self) -> str:
         if self.refused:

@@ -30,7 +30,7 @@ def _tcp(address: str) -> tuple[str, str] | None:
     """(host, port) of a tcp:// address, brackets of an IPv6 host kept off; None for other transports."""
     if not address.startswith("tcp://"):
         return None
-    host, sep, port = address[len("tcp://"):].rpartition(":")
+    host, sep, port = address[len("tcp://") :].rpartition(":")
     if not sep:
         return None
     return host.strip("[]") if host.startswith("[") else host, port

@@ -42,15 +42,23 @@ def make_env(env_id: str, **kwargs) -> gym.Env:
         import ale_py
     except ImportError:
         raise gym.error.DependencyNotInstalled(
-            f"{env_id} needs the Arcade Learning Environment: pip install 'impala-async[atari]'") from None
+            f"{env_id} needs the Arcade Learning Environment: pip install 'impala-async[atari]'"
+        ) from None
     import cv2
     from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
 
     cv2.setNumThreads(1)  # one actor per core is the parallelism; OpenCV's own pool (a thread per core) only contends
     gym.register_envs(ale_py)
     env = gym.make(env_id, frameskip=1, **kwargs)  # the preprocessing skips frames, taking a max over the last two
-    env = AtariPreprocessing(env, noop_max=ATARI_NOOP_MAX, frame_skip=ATARI_FRAME_SKIP, screen_size=84,
-                             terminal_on_life_loss=False, grayscale_obs=True, scale_obs=False)
+    env = AtariPreprocessing(
+        env,
+        noop_max=ATARI_NOOP_MAX,
+        frame_skip=ATARI_FRAME_SKIP,
+        screen_size=84,
+        terminal_on_life_loss=False,
+        grayscale_obs=True,
+        scale_obs=False,
+    )
     return FrameStackObservation(env, ATARI_STACK)
 
 
@@ -98,10 +106,10 @@ class PongLike(gym.Env):
     def _draw(self) -> np.ndarray:
         f = self._background.copy()
         a, o = int(self.agent_y), int(self.opp_y)
-        f[a:a + PADDLE_H, AGENT_X:AGENT_X + PADDLE_W] = PADDLE_AGENT
-        f[o:o + PADDLE_H, OPP_X:OPP_X + PADDLE_W] = PADDLE_OPP
+        f[a : a + PADDLE_H, AGENT_X : AGENT_X + PADDLE_W] = PADDLE_AGENT
+        f[o : o + PADDLE_H, OPP_X : OPP_X + PADDLE_W] = PADDLE_OPP
         by, bx = int(self.ball[0]), int(self.ball[1])
-        f[by:by + BALL, bx:bx + BALL] = BALL_COLOUR
+        f[by : by + BALL, bx : bx + BALL] = BALL_COLOUR
         return f
 
     def _push(self, frame: np.ndarray) -> np.ndarray:
@@ -123,20 +131,26 @@ class PongLike(gym.Env):
         move = {2: -2.0, 3: 2.0, 4: -2.0, 5: 2.0}.get(int(action), 0.0)
         self.agent_y = float(np.clip(self.agent_y + move, TOP, BOTTOM - PADDLE_H))
         target = self.ball[0] - PADDLE_H / 2
-        self.opp_y = float(np.clip(self.opp_y + np.clip(target - self.opp_y, -self.opponent_speed,
-                                                        self.opponent_speed), TOP, BOTTOM - PADDLE_H))
+        self.opp_y = float(
+            np.clip(
+                self.opp_y + np.clip(target - self.opp_y, -self.opponent_speed, self.opponent_speed),
+                TOP,
+                BOTTOM - PADDLE_H,
+            )
+        )
         self.ball += self.velocity
         if self.ball[0] < TOP or self.ball[0] > BOTTOM - BALL:
             self.velocity[0] = -self.velocity[0]
             self.ball[0] = np.clip(self.ball[0], TOP, BOTTOM - BALL)
         reward = 0.0
         for paddle_x, paddle_y, side in ((AGENT_X, self.agent_y, 1.0), (OPP_X, self.opp_y, -1.0)):
-            crossing = (side > 0 and self.velocity[1] > 0 and self.ball[1] + BALL >= paddle_x) or \
-                       (side < 0 and self.velocity[1] < 0 and self.ball[1] <= paddle_x + PADDLE_W)
+            crossing = (side > 0 and self.velocity[1] > 0 and self.ball[1] + BALL >= paddle_x) or (
+                side < 0 and self.velocity[1] < 0 and self.ball[1] <= paddle_x + PADDLE_W
+            )
             if crossing and paddle_y - BALL <= self.ball[0] <= paddle_y + PADDLE_H:
                 offset = (self.ball[0] + BALL / 2 - paddle_y - PADDLE_H / 2) / (PADDLE_H / 2)
                 speed = min(3.0, np.hypot(*self.velocity) * 1.05)
-                along = np.sqrt(max(0.2, 1 - 0.49 * offset ** 2))
+                along = np.sqrt(max(0.2, 1 - 0.49 * offset**2))
                 self.velocity = np.array([offset * speed * 0.7, -side * speed * along])
         if self.ball[1] < 0:
             reward, self.score[0] = 1.0, self.score[0] + 1
@@ -165,7 +179,7 @@ class ImageBandit(gym.Env):
     def _observe(self) -> np.ndarray:
         obs = np.full((4, SIZE, SIZE), BACKGROUND, np.uint8)
         x = 8 if self.side == 0 else SIZE - 24
-        obs[:, 32:52, x:x + 16] = BALL_COLOUR
+        obs[:, 32:52, x : x + 16] = BALL_COLOUR
         return obs
 
     def reset(self, *, seed=None, options=None):

@@ -24,10 +24,12 @@ def refuse(target: ActorTarget, options: ActorOptions, serve_port: int, metrics_
         raise ValueError(vec.ENVPOOL_MISSING)
     if options.device != "cpu":
         import torch
+
         if not torch.cuda.is_available():
             raise ValueError(f"--device {options.device} asked for, but torch sees no CUDA device")
     if target.curve_keys:
         from ..ops import auth
+
         auth.load_actor_keys(target.curve_keys)
     problem = metrics_address_problem(serve_port, metrics_host)
     if problem:
@@ -35,8 +37,9 @@ def refuse(target: ActorTarget, options: ActorOptions, serve_port: int, metrics_
     return weights
 
 
-def run(target: ActorTarget, options: ActorOptions, metrics: MetricsHttp, *, parent_pid: int = 0,
-        heartbeat_fd: int = -1) -> int:
+def run(
+    target: ActorTarget, options: ActorOptions, metrics: MetricsHttp, *, parent_pid: int = 0, heartbeat_fd: int = -1
+) -> int:
     """Act until SIGINT/SIGTERM; the exit code (README, Exit codes)."""
     from . import actor
 
@@ -46,10 +49,19 @@ def run(target: ActorTarget, options: ActorOptions, metrics: MetricsHttp, *, par
     except (ValueError, OSError) as e:
         raise SystemExit(f"impala-async: {e}") from None
     if target.num_actors == 1 and not serve_port:  # with a metrics port, even one actor runs under the supervisor
-        return actor.run(actor.ActorConfig(
-            learner=target.learner, weights=weights, options=options, index=target.index, seed=target.seed,
-            curve_keys=target.curve_keys, env_backend=target.env_backend, parent_pid=parent_pid,
-            heartbeat_fd=heartbeat_fd))
+        return actor.run(
+            actor.ActorConfig(
+                learner=target.learner,
+                weights=weights,
+                options=options,
+                index=target.index,
+                seed=target.seed,
+                curve_keys=target.curve_keys,
+                env_backend=target.env_backend,
+                parent_pid=parent_pid,
+                heartbeat_fd=heartbeat_fd,
+            )
+        )
     return supervise(target, options, metrics, weights, serve_port)
 
 
@@ -59,22 +71,38 @@ def supervise(target: ActorTarget, options: ActorOptions, metrics: MetricsHttp, 
     from .procs import ActorProcesses, actor_argv
 
     procs = ActorProcesses.with_options(
-        lambda i, fd: actor_argv(target.learner, weights, target.index + i, fd, seed=target.seed, options=options,
-                                 curve_keys=target.curve_keys, env_backend=target.env_backend),
-        target.num_actors, options)
+        lambda i, fd: actor_argv(
+            target.learner,
+            weights,
+            target.index + i,
+            fd,
+            seed=target.seed,
+            options=options,
+            curve_keys=target.curve_keys,
+            env_backend=target.env_backend,
+        ),
+        target.num_actors,
+        options,
+    )
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     state, http = observe.SupervisorState(procs), None
     if serve_port:  # before the actors start: a port that cannot be bound is refused at once
         try:
-            http = observe.serve(state, metrics.metrics_host, serve_port,
-                                 max_connections=metrics.max_metrics_connections,
-                                 request_timeout_s=metrics.metrics_request_timeout_s,
-                                 max_request_bytes=metrics.max_metrics_request_bytes)
+            http = observe.serve(
+                state,
+                metrics.metrics_host,
+                serve_port,
+                max_connections=metrics.max_metrics_connections,
+                request_timeout_s=metrics.metrics_request_timeout_s,
+                max_request_bytes=metrics.max_metrics_request_bytes,
+            )
         except OSError as e:
-            raise SystemExit(f"impala-async: cannot serve /healthz on {metrics.metrics_host}:{serve_port} "
-                             f"(--metrics-host, --metrics-port): {e}") from None
+            raise SystemExit(
+                f"impala-async: cannot serve /healthz on {metrics.metrics_host}:{serve_port} "
+                f"(--metrics-host, --metrics-port): {e}"
+            ) from None
     procs.start()
     print(f"impala-async: {target.num_actors} actors -> {target.learner} (weights from {weights})", flush=True)
     while not stopping:

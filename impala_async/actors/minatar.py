@@ -39,8 +39,7 @@ def make_minatar(env_id: str, **kwargs) -> gym.Env:
     try:
         import minatar.gym
     except ImportError:
-        raise gym.error.DependencyNotInstalled(
-            f"{env_id} needs MinAtar: pip install 'impala-async[minatar]'") from None
+        raise gym.error.DependencyNotInstalled(f"{env_id} needs MinAtar: pip install 'impala-async[minatar]'") from None
     if env_id not in gym.registry:
         minatar.gym.register_envs()
     return Planes(gym.make(env_id, **kwargs))

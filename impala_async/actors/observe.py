@@ -30,25 +30,36 @@ class SupervisorState:
         beating, alive = p.heartbeating(), p.alive()
         if beating:
             return True, f"ok: {beating} of {p.count} actor processes alive and heartbeating"
-        return False, (f"no actor process heartbeating: {alive} of {p.count} alive (starting, hung or restarting), "
-                       f"{p.restarts_total} restarts, {len(p.gave_up)} given up")
+        return False, (
+            f"no actor process heartbeating: {alive} of {p.count} alive (starting, hung or restarting), "
+            f"{p.restarts_total} restarts, {len(p.gave_up)} given up"
+        )
 
     def collect(self):
         p = self.procs
-        for name, doc, value in (("actor_processes", "actor processes this supervisor runs", p.count),
-                                 ("actors_alive", "actor processes running", p.alive()),
-                                 ("actors_heartbeating", "actor processes running with a recent heartbeat",
-                                  p.heartbeating()),
-                                 ("actors_given_up", "actors restarted too often and given up", len(p.gave_up)),
-                                 ("healthy", "1 while /healthz answers 200", float(self.health()[0]))):
+        for name, doc, value in (
+            ("actor_processes", "actor processes this supervisor runs", p.count),
+            ("actors_alive", "actor processes running", p.alive()),
+            ("actors_heartbeating", "actor processes running with a recent heartbeat", p.heartbeating()),
+            ("actors_given_up", "actors restarted too often and given up", len(p.gave_up)),
+            ("healthy", "1 while /healthz answers 200", float(self.health()[0])),
+        ):
             yield GaugeMetricFamily(P + name, doc, value=float(value))
         yield CounterMetricFamily(P + "actor_restarts", "restarts of actor processes", value=float(p.restarts_total))
-        yield CounterMetricFamily(P + "actors_replaced_silent", "actors killed for missing heartbeats",
-                                  value=float(p.replaced_silent))
+        yield CounterMetricFamily(
+            P + "actors_replaced_silent", "actors killed for missing heartbeats", value=float(p.replaced_silent)
+        )
 
 
-def serve(state: SupervisorState, host: str, port: int, *, max_connections: int, request_timeout_s: float,
-          max_request_bytes: int) -> httpd.HttpServer:
+def serve(
+    state: SupervisorState,
+    host: str,
+    port: int,
+    *,
+    max_connections: int,
+    request_timeout_s: float,
+    max_request_bytes: int,
+) -> httpd.HttpServer:
     """Start the supervisor's HTTP server; OSError if it cannot bind."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(state)
@@ -57,9 +68,14 @@ def serve(state: SupervisorState, host: str, port: int, *, max_connections: int,
         ok, reason = state.health()
         return httpd.text(200 if ok else 503, reason)
 
-    server = httpd.HttpServer(host, port, {"/metrics": httpd.metrics_route(registry), "/healthz": healthz},
-                              max_connections=max_connections, request_timeout_s=request_timeout_s,
-                              max_request_bytes=max_request_bytes, name="actors")
+    server = httpd.HttpServer(
+        host,
+        port,
+        {"/metrics": httpd.metrics_route(registry), "/healthz": healthz},
+        max_connections=max_connections,
+        request_timeout_s=request_timeout_s,
+        max_request_bytes=max_request_bytes,
+        name="actors",
+    )
     server.start()
     return server
-

@@ -32,6 +32,7 @@ def die_with_parent(parent_pid: int) -> None:
         return
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
@@ -54,8 +55,16 @@ class _Child:
 class ActorProcesses:
     """``count`` actor processes; ``argv(index, heartbeat_fd)`` gives the command line of actor ``index``."""
 
-    def __init__(self, argv: Callable[[int, int], list[str]], count: int, *, max_restarts: int = 10,
-                 heartbeat_timeout_s: float = 10.0, backoff_s: float = 1.0, max_backoff_s: float = 30.0):
+    def __init__(
+        self,
+        argv: Callable[[int, int], list[str]],
+        count: int,
+        *,
+        max_restarts: int = 10,
+        heartbeat_timeout_s: float = 10.0,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+    ):
         self._argv = argv
         self._children = [_Child(i) for i in range(count)]
         self.max_restarts = max_restarts
@@ -69,8 +78,9 @@ class ActorProcesses:
     @classmethod
     def with_options(cls, argv: Callable[[int, int], list[str]], count: int, options) -> ActorProcesses:
         """Supervise ``count`` actors as ``options`` (an ActorOptions) say: restarts, heartbeat timeout."""
-        return cls(argv, count, max_restarts=options.max_actor_restarts,
-                   heartbeat_timeout_s=options.heartbeat_timeout_s)
+        return cls(
+            argv, count, max_restarts=options.max_actor_restarts, heartbeat_timeout_s=options.heartbeat_timeout_s
+        )
 
     def start(self) -> None:
         for c in self._children:
@@ -82,8 +92,13 @@ class ActorProcesses:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
             # Own session: a Ctrl-C in the terminal reaches only the learner, which then stops actors in order.
-            c.proc = subprocess.Popen(self._argv(c.index, write_fd), env=env, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, pass_fds=(write_fd,))
+            c.proc = subprocess.Popen(
+                self._argv(c.index, write_fd),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=(write_fd,),
+            )
         finally:
             os.close(write_fd)
         c.heartbeat_fd = read_fd
@@ -112,9 +127,14 @@ class ActorProcesses:
         """Actor processes running that have sent a heartbeat within heartbeat_timeout_s (as of the last check());
         one that has not sent its first yet does not count. Safe from another thread, as alive()."""
         now = time.monotonic() if now is None else now
-        return sum(1 for c in self._children
-                   if (p := c.proc) is not None and c.beats and now - c.last_beat <= self.heartbeat_timeout_s
-                   and p.poll() is None)
+        return sum(
+            1
+            for c in self._children
+            if (p := c.proc) is not None
+            and c.beats
+            and now - c.last_beat <= self.heartbeat_timeout_s
+            and p.poll() is None
+        )
 
     def all_given_up(self) -> bool:
         return bool(self._children) and len(self.gave_up) == len(self._children)
@@ -128,8 +148,12 @@ class ActorProcesses:
                 code = c.proc.poll()
                 if code is None:
                     if now - c.last_beat > self.heartbeat_timeout_s:
-                        log.warning("actor %d (pid %d) silent for %.1f s (hung or stopped): killing it",
-                                    c.index, c.proc.pid, now - c.last_beat)
+                        log.warning(
+                            "actor %d (pid %d) silent for %.1f s (hung or stopped): killing it",
+                            c.index,
+                            c.proc.pid,
+                            now - c.last_beat,
+                        )
                         self.replaced_silent += 1
                         c.proc.kill()
                         c.proc.wait()
@@ -152,7 +176,7 @@ class ActorProcesses:
             self.gave_up.append(c.index)
             c.restart_at = float("inf")
             return
-        delay = min(self.max_backoff_s, self.backoff_s * 2 ** c.restarts)
+        delay = min(self.max_backoff_s, self.backoff_s * 2**c.restarts)
         log.warning("actor %d exited with code %s; restarting in %.1f s", c.index, code, delay)
         c.restart_at = now + delay
 
@@ -184,13 +208,40 @@ class ActorProcesses:
                 c.proc.kill()
 
 
-def actor_argv(learner: str, weights: str, index: int, heartbeat_fd: int, *, seed: int, options,
-               curve_keys: str = "", env_backend: str = "") -> list[str]:
+def actor_argv(
+    learner: str,
+    weights: str,
+    index: int,
+    heartbeat_fd: int,
+    *,
+    seed: int,
+    options,
+    curve_keys: str = "",
+    env_backend: str = "",
+) -> list[str]:
     """The command line of supervised actor ``index``: ``options`` (an ActorOptions, config/actors.py) spelled out in
     full, the supervisor's heartbeat pipe and pid, and never a metrics port (the supervisor serves /healthz; children
     must not take its port from the environment)."""
-    return [sys.executable, "-m", "impala_async", "actor", "--learner", learner, "--weights", weights,
-            "--index", str(index), "--seed", str(seed), *options.argv(),
-            "--parent-pid", str(os.getpid()), "--heartbeat-fd", str(heartbeat_fd), "--metrics-port", "0",
-            *(["--curve-keys", curve_keys] if curve_keys else []),
-            *(["--env-backend", env_backend] if env_backend else [])]
+    return [
+        sys.executable,
+        "-m",
+        "impala_async",
+        "actor",
+        "--learner",
+        learner,
+        "--weights",
+        weights,
+        "--index",
+        str(index),
+        "--seed",
+        str(seed),
+        *options.argv(),
+        "--parent-pid",
+        str(os.getpid()),
+        "--heartbeat-fd",
+        str(heartbeat_fd),
+        "--metrics-port",
+        "0",
+        *(["--curve-keys", curve_keys] if curve_keys else []),
+        *(["--env-backend", env_backend] if env_backend else []),
+    ]

@@ -60,8 +60,9 @@ class Policy:
         """``obs [B, ...]`` on the device: one host copy into the (pinned) buffer, one transfer."""
         n = obs.shape[0]
         if self._host is None or self._host.shape[0] < n or self._host.shape[1:] != obs.shape[1:]:
-            self._host = torch.empty(obs.shape, dtype=torch.from_numpy(obs[:0]).dtype,
-                                     pin_memory=self.device.type == "cuda")
+            self._host = torch.empty(
+                obs.shape, dtype=torch.from_numpy(obs[:0]).dtype, pin_memory=self.device.type == "cuda"
+            )
         host = self._host[:n]
         host.numpy()[...] = obs
         return host.to(self.device, non_blocking=True)  # ordered before the forward pass; .cpu() below waits
@@ -88,8 +89,15 @@ class Policy:
         return tuple(x * keep for x in state)
 
 
-def unroll(policy: Policy, envs: VecEnv, state: tuple, rng: np.random.Generator, buf: dict,
-           obs_buf: np.ndarray, beat: Callable[[], None] = lambda: None) -> tuple:
+def unroll(
+    policy: Policy,
+    envs: VecEnv,
+    state: tuple,
+    rng: np.random.Generator,
+    buf: dict,
+    obs_buf: np.ndarray,
+    beat: Callable[[], None] = lambda: None,
+) -> tuple:
     """One unroll: fills ``buf`` (the trajectory fields, ``[K, T, ...]``; ``core_state [K, 2, L]``) and ``obs_buf
     [K, T+1, *obs_shape]`` from ``envs`` (whose ``obs`` holds the first observations), sampling each action from
     the policy (Gumbel-max on the logits, ``rng``); returns the recurrent state after the last step (reset where an
@@ -108,8 +116,9 @@ def unroll(policy: Policy, envs: VecEnv, state: tuple, rng: np.random.Generator,
         ended, cut = envs.step(actions, buf["reward"][:, t], buf["terminated"][:, t], buf["truncated"][:, t])
         if cut:  # bootstrap value of the final observations that a time limit cut off (their episodes' state)
             rows = [k for k, _ in cut]
-            _, v, _ = policy.step(np.stack([o for _, o in cut]).astype(spec.obs_dtype),
-                                  tuple(x[rows] for x in next_state))
+            _, v, _ = policy.step(
+                np.stack([o for _, o in cut]).astype(spec.obs_dtype), tuple(x[rows] for x in next_state)
+            )
             for (k, _), value in zip(cut, v, strict=True):
                 buf["truncation_value"][k, t] = value
         if next_state and ended:  # the next observation begins an episode: the core starts from zeros

@@ -68,8 +68,9 @@ class VecEnv:
         """First reset of every environment, environment k seeded with ``seeds[k]``; returns ``obs [K, ...]``."""
         raise NotImplementedError
 
-    def step(self, actions: np.ndarray, reward: np.ndarray, terminated: np.ndarray, truncated: np.ndarray
-             ) -> tuple[list[int], list[tuple[int, np.ndarray]]]:
+    def step(
+        self, actions: np.ndarray, reward: np.ndarray, terminated: np.ndarray, truncated: np.ndarray
+    ) -> tuple[list[int], list[tuple[int, np.ndarray]]]:
         """``actions [K]`` -> ``(ended, cut)``: the environments whose episode ended (reset since; ``obs`` holds their
         first observation), and ``(k, final observation)`` of those a time limit cut. Writes the step's
         ``reward``/``terminated``/``truncated [K]`` (any arrays, e.g. strided views into an unroll buffer)."""
@@ -94,8 +95,9 @@ class GymnasiumEnvs(VecEnv):
 
     def reset(self, seeds) -> np.ndarray:
         self.applied = [set_difficulty(env, self.difficulty) for env in self.envs]
-        self.obs[:] = np.stack([env.reset(seed=int(seeds[k]))[0] for k, env in enumerate(self.envs)]
-                               ).astype(self.obs_dtype)
+        self.obs[:] = np.stack([env.reset(seed=int(seeds[k]))[0] for k, env in enumerate(self.envs)]).astype(
+            self.obs_dtype
+        )
         return self.obs
 
     def step(self, actions, reward, terminated, truncated):
@@ -135,10 +137,20 @@ def envpool_settings(env_id: str, env_kwargs: dict) -> tuple[str, dict]:
     v5, v4 = re.fullmatch(r"ALE/(\w+)-v5", env_id), re.fullmatch(r"(\w+)NoFrameskip-v4", env_id)
     if not (v5 or v4):
         raise ValueError(f"--env-backend envpool takes ALE/<Game>-v5 and <Game>NoFrameskip-v4 ids, not {env_id!r}")
-    options = dict(stack_num=ATARI_STACK, frame_skip=ATARI_FRAME_SKIP, noop_max=ATARI_NOOP_MAX, img_height=84,
-                   img_width=84, gray_scale=True, use_inter_area_resize=True, use_fire_reset=False,
-                   episodic_life=False, zero_discount_on_life_loss=False, reward_clip=False,
-                   repeat_action_probability=0.25 if v5 else 0.0)
+    options = dict(
+        stack_num=ATARI_STACK,
+        frame_skip=ATARI_FRAME_SKIP,
+        noop_max=ATARI_NOOP_MAX,
+        img_height=84,
+        img_width=84,
+        gray_scale=True,
+        use_inter_area_resize=True,
+        use_fire_reset=False,
+        episodic_life=False,
+        zero_discount_on_life_loss=False,
+        reward_clip=False,
+        repeat_action_probability=0.25 if v5 else 0.0,
+    )
     frames: float = ATARI_FRAME_CAP
     for key, value in env_kwargs.items():
         if key in ("repeat_action_probability", "full_action_space", "mode", "difficulty"):
@@ -147,9 +159,11 @@ def envpool_settings(env_id: str, env_kwargs: dict) -> tuple[str, dict]:
         elif key == "max_num_frames_per_episode":
             frames = int(value) or math.inf  # the ALE's 0: no cap
         elif key != "max_episode_steps":
-            raise ValueError(f"--env-backend envpool: env_kwargs {key!r} has no EnvPool equivalent (it takes "
-                             f"repeat_action_probability, full_action_space, mode, difficulty, "
-                             f"max_num_frames_per_episode, max_episode_steps); use --env-backend gymnasium")
+            raise ValueError(
+                f"--env-backend envpool: env_kwargs {key!r} has no EnvPool equivalent (it takes "
+                f"repeat_action_probability, full_action_space, mode, difficulty, "
+                f"max_num_frames_per_episode, max_episode_steps); use --env-backend gymnasium"
+            )
     if env_kwargs.get("max_episode_steps"):
         frames = min(frames, int(env_kwargs["max_episode_steps"]))
     steps = math.ceil(frames / ATARI_FRAME_SKIP) if math.isfinite(frames) else INT_MAX
@@ -176,8 +190,9 @@ class EnvPoolEnvs(VecEnv):
 
     backend = "envpool"
 
-    def __init__(self, env_id: str, env_kwargs: dict, num_envs: int, obs_dtype: str | None = None,
-                 seeds=None, **overrides):
+    def __init__(
+        self, env_id: str, env_kwargs: dict, num_envs: int, obs_dtype: str | None = None, seeds=None, **overrides
+    ):
         self._envpool = import_envpool()
         self.task_id, self.options = envpool_settings(env_id, env_kwargs)
         self.options.update(overrides)  # tests only (noop_max=1 pins the no-op count)
@@ -199,8 +214,9 @@ class EnvPoolEnvs(VecEnv):
         version = tuple(int(x) for x in re.findall(r"\d+", self._envpool.__version__)[:3])
         # EnvPool takes one seed per environment from 0.9.1 on; before, environment i gets seed + i.
         seed = self._seeds if version >= (0, 9, 1) else self._seeds[0]
-        return self._envpool.make_gymnasium(self.task_id, num_envs=num_envs, batch_size=num_envs, num_threads=1,
-                                            seed=seed, **self.options)
+        return self._envpool.make_gymnasium(
+            self.task_id, num_envs=num_envs, batch_size=num_envs, num_threads=1, seed=seed, **self.options
+        )
 
     def reset(self, seeds) -> np.ndarray:
         if self._c_ints(seeds) != self._seeds:
@@ -241,6 +257,7 @@ class EnvPoolEnvs(VecEnv):
 
 def envpool_installed() -> bool:
     import importlib.util
+
     return importlib.util.find_spec("envpool") is not None
 
 
@@ -254,8 +271,9 @@ def resolve_backend(env_id: str, backend: str) -> str:
     return "envpool" if backend == "envpool" and is_atari(env_id) else "gymnasium"
 
 
-def make_vec(env_id: str, env_kwargs: dict, num_envs: int, backend: str = "gymnasium",
-             obs_dtype: str | None = None, seeds=None) -> VecEnv:
+def make_vec(
+    env_id: str, env_kwargs: dict, num_envs: int, backend: str = "gymnasium", obs_dtype: str | None = None, seeds=None
+) -> VecEnv:
     """K environments of ``env_id`` on ``backend`` (:func:`resolve_backend`); call ``reset(seeds)`` before
     stepping (``seeds`` here too spares EnvPool a rebuild). DependencyNotInstalled (one line naming the pip
     install) if the backend's package is missing; ValueError for what EnvPool cannot build."""

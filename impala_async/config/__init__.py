@@ -8,6 +8,20 @@ from .learner import INDEX, LearnerConfig, LocalActors, from_flat
 from .machine import env_metrics_host, env_metrics_port, metrics_address_problem, usable_cpus
 from .sections import DEFAULT_ENV_BACKEND, ENV_BACKENDS
 
-__all__ = ["INDEX", "PER_INVOCATION", "ActorOptions", "ActorTarget", "DEFAULT_ENV_BACKEND", "ENV_BACKENDS",
-           "Layered", "LearnerConfig", "LocalActors", "MetricsHttp", "env_metrics_host", "env_metrics_port",
-           "from_flat", "metrics_address_problem", "usable_cpus"]
+__all__ = [
+    "INDEX",
+    "PER_INVOCATION",
+    "ActorOptions",
+    "ActorTarget",
+    "DEFAULT_ENV_BACKEND",
+    "ENV_BACKENDS",
+    "Layered",
+    "LearnerConfig",
+    "LocalActors",
+    "MetricsHttp",
+    "env_metrics_host",
+    "env_metrics_port",
+    "from_flat",
+    "metrics_address_problem",
+    "usable_cpus",
+]

@@ -20,23 +20,33 @@ class MetricsHttp(Section):
 
     NAME = "metrics"
     TITLE = "metrics and health"
-    metrics_port: int = opt(env_metrics_port(), "serve Prometheus /metrics and /healthz over plain HTTP on this TCP "
-                                                "port (0: off; default: $IMPALA_ASYNC_METRICS_PORT, else 0)")
-    metrics_host: str = opt(env_metrics_host(), "address the metrics port binds (default: $IMPALA_ASYNC_METRICS_HOST, "
-                                                "else 127.0.0.1; nothing authenticates it, see README, Operations)")
+    metrics_port: int = opt(
+        env_metrics_port(),
+        "serve Prometheus /metrics and /healthz over plain HTTP on this TCP "
+        "port (0: off; default: $IMPALA_ASYNC_METRICS_PORT, else 0)",
+    )
+    metrics_host: str = opt(
+        env_metrics_host(),
+        "address the metrics port binds (default: $IMPALA_ASYNC_METRICS_HOST, "
+        "else 127.0.0.1; nothing authenticates it, see README, Operations)",
+    )
     max_metrics_connections: int = opt(8, "metrics HTTP connections answered at once; more are answered 503")
-    max_metrics_request_bytes: int = opt(8192, "a metrics HTTP request head (request line and headers) longer than "
-                                               "this is refused (431)")
-    metrics_request_timeout_s: float = opt(5.0, "a metrics HTTP request must be read and answered within this long "
-                                                "or its connection is closed")
+    max_metrics_request_bytes: int = opt(
+        8192, "a metrics HTTP request head (request line and headers) longer than this is refused (431)"
+    )
+    metrics_request_timeout_s: float = opt(
+        5.0, "a metrics HTTP request must be read and answered within this long or its connection is closed"
+    )
 
     def check(self) -> None:
         super().check()
         problem = metrics_address_problem(self.metrics_port, self.metrics_host)
         need(problem is None, problem or "")
         at_least(self, 1, "max_metrics_connections")
-        need(self.max_metrics_request_bytes >= 256, "max_metrics_request_bytes must be >= 256: a GET with its usual "
-                                                    "headers would be refused")
+        need(
+            self.max_metrics_request_bytes >= 256,
+            "max_metrics_request_bytes must be >= 256: a GET with its usual headers would be refused",
+        )
         finite_positive(self, "metrics_request_timeout_s")
 
 
@@ -53,21 +63,35 @@ class ActorOptions(Section):
     NAME = "actors"
     TITLE = "actors"
     envs_per_actor: int = opt(32, "environments each actor steps with one batched forward pass")
-    send_hwm_messages: int = opt(4, "ZMQ_SNDHWM: messages an actor queues before it waits",
-                                 learner_flag="actor_send_hwm_messages")
-    send_buffer_bytes: int = opt(0, "ZMQ_SNDBUF of an actor, the kernel's send buffer (0: the system's); small "
-                                    "buffers with --when-full wait keep policy lag small",
-                                 learner_flag="actor_send_buffer_bytes")
-    device: str = opt("cpu", "where an actor runs the policy's forward pass: cpu or cuda[:N]",
-                      learner_flag="actor_device")
-    codec: str = opt("lz4", "array compression of an actor's messages; images go as JPEG instead when the learner "
-                            "asks for it (--obs-codec jpeg)", learner_flag="actor_codec", choices=CODECS)
-    connection_timeout_s: float = opt(6.0, "an actor drops and remakes a connection to the learner that answers no "
-                                           "ZeroMQ heartbeat for this long, and connection attempts give up after "
-                                           "half of it (0: TCP's own timeouts, minutes after a long outage)",
-                                      learner_flag="actor_connection_timeout_s")
-    max_wait_for_weights_s: float = opt(600.0, "an actor gives up if no weights arrive within this long",
-                                        learner_flag="actor_max_wait_for_weights_s")
+    send_hwm_messages: int = opt(
+        4, "ZMQ_SNDHWM: messages an actor queues before it waits", learner_flag="actor_send_hwm_messages"
+    )
+    send_buffer_bytes: int = opt(
+        0,
+        "ZMQ_SNDBUF of an actor, the kernel's send buffer (0: the system's); small "
+        "buffers with --when-full wait keep policy lag small",
+        learner_flag="actor_send_buffer_bytes",
+    )
+    device: str = opt(
+        "cpu", "where an actor runs the policy's forward pass: cpu or cuda[:N]", learner_flag="actor_device"
+    )
+    codec: str = opt(
+        "lz4",
+        "array compression of an actor's messages; images go as JPEG instead when the learner "
+        "asks for it (--obs-codec jpeg)",
+        learner_flag="actor_codec",
+        choices=CODECS,
+    )
+    connection_timeout_s: float = opt(
+        6.0,
+        "an actor drops and remakes a connection to the learner that answers no "
+        "ZeroMQ heartbeat for this long, and connection attempts give up after "
+        "half of it (0: TCP's own timeouts, minutes after a long outage)",
+        learner_flag="actor_connection_timeout_s",
+    )
+    max_wait_for_weights_s: float = opt(
+        600.0, "an actor gives up if no weights arrive within this long", learner_flag="actor_max_wait_for_weights_s"
+    )
     heartbeat_interval_s: float = opt(1.0, "actors report to their supervisor that they are alive this often")
     heartbeat_timeout_s: float = opt(10.0, "the supervisor replaces an actor silent (hung, stopped) for this long")
     max_actor_restarts: int = opt(10, "restarts of one actor process before the supervisor gives it up")
@@ -76,12 +100,16 @@ class ActorOptions(Section):
         super().check()
         at_least(self, 1, "envs_per_actor", "send_hwm_messages")
         at_least(self, 0, "send_buffer_bytes", "max_actor_restarts")
-        need(self.device == "cpu" or self.device.startswith("cuda"), f"device (--actor-device) must be cpu or "
-                                                                     f"cuda[:N], got {self.device!r}")
+        need(
+            self.device == "cpu" or self.device.startswith("cuda"),
+            f"device (--actor-device) must be cpu or cuda[:N], got {self.device!r}",
+        )
         need(self.connection_timeout_s >= 0, "connection_timeout_s must be >= 0 (0: TCP's own timeouts)")
         positive(self, "max_wait_for_weights_s", "heartbeat_interval_s", "heartbeat_timeout_s")
-        need(self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s,
-             "heartbeat_timeout_s must exceed twice heartbeat_interval_s, or healthy actors would be killed")
+        need(
+            self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s,
+            "heartbeat_timeout_s must exceed twice heartbeat_interval_s, or healthy actors would be killed",
+        )
 
     def argv(self) -> list[str]:
         """These options as ``impala-async actor`` flags, every one spelled out (a child never relies on defaults
@@ -105,12 +133,16 @@ class ActorTarget(Section):
     num_actors: int = opt(1, "actor processes to run on this machine")
     seed: int = opt(0, "base seed: actor i seeds its environments from seed, i and the environment's index")
     index: int = opt(0, "index of the first actor, for seeding")
-    curve_keys: str = opt("", "directory with actor.key_secret and learner.key: connect with CurveZMQ (README, "
-                              "Security)")
-    env_backend: str = opt("", "how to step Atari ids: gymnasium, envpool (pip install 'impala-async[envpool]') or "
-                               "auto (envpool where installed); other ids always use gymnasium (default: the "
-                               "learner's run.env_backend, else gymnasium)",
-                           choices=("", "auto", "gymnasium", "envpool"))
+    curve_keys: str = opt(
+        "", "directory with actor.key_secret and learner.key: connect with CurveZMQ (README, Security)"
+    )
+    env_backend: str = opt(
+        "",
+        "how to step Atari ids: gymnasium, envpool (pip install 'impala-async[envpool]') or "
+        "auto (envpool where installed); other ids always use gymnasium (default: the "
+        "learner's run.env_backend, else gymnasium)",
+        choices=("", "auto", "gymnasium", "envpool"),
+    )
 
     def check(self) -> None:
         super().check()

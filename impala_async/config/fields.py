@@ -40,8 +40,9 @@ class Section:
         for f in dataclasses.fields(self):
             allowed = f.metadata["choices"]
             if allowed and getattr(self, f.name) not in allowed:
-                raise ValueError(f"{f.name} must be one of {', '.join(map(str, allowed))}, got "
-                                 f"{getattr(self, f.name)!r}")
+                raise ValueError(
+                    f"{f.name} must be one of {', '.join(map(str, allowed))}, got {getattr(self, f.name)!r}"
+                )
 
 
 def flag_of(f: dataclasses.Field, learner: bool) -> str:
@@ -119,6 +120,13 @@ def add_arguments(parser: argparse.ArgumentParser, cls, *, learner: bool, skip=(
             text += " (required)"
         elif "default:" not in text:  # a help that explains its default itself keeps its own words
             text += f" (default: {f.default!r})"
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=argparse.SUPPRESS,
-                           required=name in required, metavar=kind.__name__.upper(), help=text)
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=kind,
+            default=argparse.SUPPRESS,
+            required=name in required,
+            metavar=kind.__name__.upper(),
+            help=text,
+        )
     return group

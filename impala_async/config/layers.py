@@ -64,8 +64,11 @@ class Layered:
         sections: dict[str, dict] = {}
         for name, value in self.cfg.flat().items():
             sections.setdefault(INDEX[name][0], {})[name] = value
-        return {"command": command, "config": sections,
-                "layers": {name: self.layer(name) for name in INDEX if self.layer(name) != DEFAULT}}
+        return {
+            "command": command,
+            "config": sections,
+            "layers": {name: self.layer(name) for name in INDEX if self.layer(name) != DEFAULT},
+        }
 
     def write(self, directory: str | Path, command: str) -> Path:
         """``directory/config.json``, written whole or not at all."""
@@ -77,8 +80,14 @@ class Layered:
         return path
 
 
-def load(*, flags: dict, file: str = "", resumed: dict | None = None, resumed_layers: dict | None = None,
-         command: dict | None = None) -> Layered:
+def load(
+    *,
+    flags: dict,
+    file: str = "",
+    resumed: dict | None = None,
+    resumed_layers: dict | None = None,
+    command: dict | None = None,
+) -> Layered:
     """The layers put together (module docstring); ValueError naming the file or field at fault. ``resumed``: a
     checkpoint's configuration, ``resumed_layers`` the layers it was saved with (absent in older checkpoints)."""
     from_file = read_file(file) if file else {}
@@ -100,8 +109,9 @@ def _resumed(saved: dict, saved_layers: dict, above: dict) -> dict:
     may lack some, or have some no longer known) but the process's own and those resolution filled (resolved again
     here, on this machine: the number of local actors, the descriptor limit's connections); with a new ``listen``
     from above and no ``publish``, the publish address is derived from the new listen, not kept from the old run."""
-    values = {k: v for k, v in saved.items() if k in INDEX and k not in PER_INVOCATION
-              and saved_layers.get(k) != RESOLVED}
+    values = {
+        k: v for k, v in saved.items() if k in INDEX and k not in PER_INVOCATION and saved_layers.get(k) != RESOLVED
+    }
     if "listen" in above and "publish" not in above:
         values.pop("publish", None)
     return values
@@ -180,5 +190,6 @@ def _replayed(data: dict, path: str) -> dict:
     """A run's config.json: the values that run chose (REPLAYED layers), but for NOT_REPLAYED."""
     flat = _flatten(data["config"], path)
     layers = data["layers"] if isinstance(data["layers"], dict) else {}
-    return {n: v for n, v in flat.items() if n not in NOT_REPLAYED
-            and str(layers.get(n, DEFAULT)).split(":")[0] in REPLAYED}
+    return {
+        n: v for n, v in flat.items() if n not in NOT_REPLAYED and str(layers.get(n, DEFAULT)).split(":")[0] in REPLAYED
+    }

@@ -16,8 +16,11 @@ from .sections import Checkpoints, Env, Limits, Loss, Model, Network, Observe, R
 class LocalActors(ActorOptions):
     """Actor processes train starts itself (their options are an impala-async actor's, under --actor-* names)."""
 
-    num_actors: int = opt(-1, "actor processes started by 'train' (-1: one per usable CPU core, a container's quota "
-                              "included, but the one the learner keeps; 0: none, attach external actors instead)")
+    num_actors: int = opt(
+        -1,
+        "actor processes started by 'train' (-1: one per usable CPU core, a container's quota "
+        "included, but the one the learner keeps; 0: none, attach external actors instead)",
+    )
 
     def check(self) -> None:
         super().check()
@@ -94,8 +97,12 @@ def _index() -> dict[str, tuple[str, str]]:
 
 
 INDEX = _index()
-KINDS = {name: kind_of(next(f for f in fields_of(cls) if f.name == attr))
-         for name, (section, attr) in INDEX.items() for s, cls in section_classes() if s == section}
+KINDS = {
+    name: kind_of(next(f for f in fields_of(cls) if f.name == attr))
+    for name, (section, attr) in INDEX.items()
+    for s, cls in section_classes()
+    if s == section
+}
 
 
 def from_flat(values: dict, where: str, base: LearnerConfig | None = None, strict: bool = True) -> LearnerConfig:

@@ -48,8 +48,8 @@ def resolve(layered: Layered, *, default_listen: str, probe: Probe, now: float |
     values = {
         "listen": listen,
         "publish": publish,
-        "logdir": cfg.run.logdir or f"runs/{cfg.env.env.replace('/', '_')}-"
-                                    f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}",
+        "logdir": cfg.run.logdir
+        or f"runs/{cfg.env.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}",
         # uint8 images to [0, 1]: 1/255 for pixels, 1 for MinAtar's 0/1 planes
         "input_scale": cfg.model.input_scale or 1.0 / max(1.0, probe.image_max or 255.0),
         "max_trajectories_per_message": cfg.limits.max_trajectories_per_message
@@ -84,6 +84,11 @@ def fit_connections(layered: Layered, local_actors: int) -> Layered:
     current = layered.cfg.limits.max_connections
     if current <= fit:
         return layered
-    log.warning("max_connections lowered from %d to %d per socket to fit the file-descriptor limit of %d "
-                "(raise it with ulimit -n)", current, fit, soft)
+    log.warning(
+        "max_connections lowered from %d to %d per socket to fit the file-descriptor limit of %d "
+        "(raise it with ulimit -n)",
+        current,
+        fit,
+        soft,
+    )
     return layered.over(RESOLVED, {"max_connections": fit})

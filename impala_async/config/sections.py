@@ -30,24 +30,32 @@ class Run(Section):
 
     NAME = "run"
     TITLE = "run"
-    preset: str = opt("auto", "values for an environment family, below --config and flags: auto (chosen from --env), "
-                              "none, classic, minatar or atari (config/presets.py)", choices=PRESETS)
+    preset: str = opt(
+        "auto",
+        "values for an environment family, below --config and flags: auto (chosen from --env), "
+        "none, classic, minatar or atari (config/presets.py)",
+        choices=PRESETS,
+    )
     seed: int = opt(0, "random seed of the learner; actor i seeds its environments from seed, i and env index")
     logdir: str = opt("", "directory for metrics.jsonl, config.json and checkpoints (default: runs/<env>-<UTC time>)")
     device: str = opt("auto", "where the learner trains: auto (cuda if available), cpu or cuda[:N]")
     total_env_steps: int = opt(1_000_000, "stop after training on this many environment steps")
-    ingest_only: int = opt(0, "1: decode into the ring and release batches without training (load tests)",
-                           choices=(0, 1))
-    overlap_copies: int = opt(1, "CUDA: copy batch k+1 to the GPU on its own stream while batch k trains (0: serial)",
-                              choices=(0, 1))
+    ingest_only: int = opt(
+        0, "1: decode into the ring and release batches without training (load tests)", choices=(0, 1)
+    )
+    overlap_copies: int = opt(
+        1, "CUDA: copy batch k+1 to the GPU on its own stream while batch k trains (0: serial)", choices=(0, 1)
+    )
     shutdown_timeout_s: float = opt(10.0, "graceful shutdown gives up and forces exit after this long")
     actor_start_timeout_s: float = opt(120.0, "exit non-zero if no trajectory arrives this long after start")
     no_data_timeout_s: float = opt(60.0, "exit non-zero if no trajectory arrives for this long once data has flowed")
 
     def check(self) -> None:
         super().check()
-        need(self.device in ("auto", "cpu") or self.device.startswith("cuda"),
-             f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        need(
+            self.device in ("auto", "cpu") or self.device.startswith("cuda"),
+            f"device must be auto, cpu or cuda[:N], got {self.device!r}",
+        )
         need(self.total_env_steps > 0, "total_env_steps must be > 0: the run would end before it starts")
         positive(self, "shutdown_timeout_s", "actor_start_timeout_s", "no_data_timeout_s")
 
@@ -59,26 +67,43 @@ class Env(Section):
     NAME = "env"
     TITLE = "environment"
     env: str = opt("CartPole-v1", "gymnasium environment id (Discrete actions; vector or uint8-image observations)")
-    env_kwargs: str = opt("", "JSON object of keyword arguments for the environment, the same in learner and "
-                              "actors: '{\"max_episode_steps\": 200}'; for ALE '{\"repeat_action_probability\": 0}'")
-    env_backend: str = opt(DEFAULT_ENV_BACKEND, "how actors step Atari ids: gymnasium, envpool (EnvPool's C++ batch, "
-                                                "pip install 'impala-async[envpool]'), or auto (envpool where "
-                                                "installed, else gymnasium); other ids (MinAtar, CartPole, ...) "
-                                                "always use gymnasium. Sent to actors as run.env_backend (the "
-                                                "backend chosen); an actor's --env-backend wins", choices=ENV_BACKENDS)
+    env_kwargs: str = opt(
+        "",
+        "JSON object of keyword arguments for the environment, the same in learner and "
+        "actors: '{\"max_episode_steps\": 200}'; for ALE '{\"repeat_action_probability\": 0}'",
+    )
+    env_backend: str = opt(
+        DEFAULT_ENV_BACKEND,
+        "how actors step Atari ids: gymnasium, envpool (EnvPool's C++ batch, "
+        "pip install 'impala-async[envpool]'), or auto (envpool where "
+        "installed, else gymnasium); other ids (MinAtar, CartPole, ...) "
+        "always use gymnasium. Sent to actors as run.env_backend (the "
+        "backend chosen); an actor's --env-backend wins",
+        choices=ENV_BACKENDS,
+    )
     unroll_length: int = opt(20, "T: environment steps per trajectory")
-    frame_dedup: int = opt(1, "1: observations that stack consecutive frames (Atari) travel and sit in the ring as "
-                              "single frames, 4x less data; 0: whole stacks", choices=(0, 1))
-    obs_codec: str = opt("lz4", "how actors send uint8 image observations (obs, frames): lz4 (lossless) or jpeg "
-                                "(lossy, at --jpeg-quality; needs pip install 'impala-async[jpeg]'); every other "
-                                "field travels as lz4. The learner accepts lz4, jpeg or none from any actor",
-                         choices=OBS_CODECS)
+    frame_dedup: int = opt(
+        1,
+        "1: observations that stack consecutive frames (Atari) travel and sit in the ring as "
+        "single frames, 4x less data; 0: whole stacks",
+        choices=(0, 1),
+    )
+    obs_codec: str = opt(
+        "lz4",
+        "how actors send uint8 image observations (obs, frames): lz4 (lossless) or jpeg "
+        "(lossy, at --jpeg-quality; needs pip install 'impala-async[jpeg]'); every other "
+        "field travels as lz4. The learner accepts lz4, jpeg or none from any actor",
+        choices=OBS_CODECS,
+    )
     jpeg_quality: int = opt(90, "JPEG quality, 1 to 100, that actors encode images with under --obs-codec jpeg")
-    curriculum: str = opt("none", "environment difficulty by the episodes actors finished: none, or linear "
-                                  "(curriculum_start to curriculum_end over curriculum_episodes); the value travels "
-                                  "with the weights and each environment gets it through "
-                                  "env.unwrapped.set_difficulty(value) at its next reset (README, Curriculum)",
-                          choices=CURRICULA)
+    curriculum: str = opt(
+        "none",
+        "environment difficulty by the episodes actors finished: none, or linear "
+        "(curriculum_start to curriculum_end over curriculum_episodes); the value travels "
+        "with the weights and each environment gets it through "
+        "env.unwrapped.set_difficulty(value) at its next reset (README, Curriculum)",
+        choices=CURRICULA,
+    )
     curriculum_start: float = opt(0.5, "difficulty at episode 0")
     curriculum_end: float = opt(2.0, "difficulty from curriculum_episodes on")
     curriculum_episodes: int = opt(10_000, "episodes over which a linear curriculum goes from start to end")
@@ -91,8 +116,10 @@ class Env(Section):
             raise ValueError(f"env_kwargs: {e}") from None
         at_least(self, 1, "unroll_length", "curriculum_episodes")
         need(1 <= self.jpeg_quality <= 100, f"jpeg_quality must lie in [1, 100], got {self.jpeg_quality}")
-        need(math.isfinite(self.curriculum_start) and math.isfinite(self.curriculum_end),
-             "curriculum_start and curriculum_end must be finite: they travel to actors as difficulties")
+        need(
+            math.isfinite(self.curriculum_start) and math.isfinite(self.curriculum_end),
+            "curriculum_start and curriculum_end must be finite: they travel to actors as difficulties",
+        )
 
     @property
     def env_kwargs_dict(self) -> dict:
@@ -114,29 +141,41 @@ class Model(Section):
 
     NAME = "model"
     TITLE = "model"
-    model: str = opt("auto", "network: auto (mlp for vectors; for uint8 images the MinAtar net up to 16x16 pixels, the "
-                             "Nature CNN above), mlp, shallow (the Nature CNN), minatar, or deep (the IMPALA ResNet)",
-                     choices=MODEL_CHOICES)
+    model: str = opt(
+        "auto",
+        "network: auto (mlp for vectors; for uint8 images the MinAtar net up to 16x16 pixels, the "
+        "Nature CNN above), mlp, shallow (the Nature CNN), minatar, or deep (the IMPALA ResNet)",
+        choices=MODEL_CHOICES,
+    )
     hidden_sizes: str = opt("64,64", "MLP layer widths, comma separated (vector observations)")
     activation: str = opt("tanh", "MLP activation: tanh, relu or elu")
-    use_lstm: int = opt(0, "1: an LSTM core after the torso (image networks); actors carry its state across unrolls",
-                        choices=(0, 1))
+    use_lstm: int = opt(
+        0, "1: an LSTM core after the torso (image networks); actors carry its state across unrolls", choices=(0, 1)
+    )
     lstm_size: int = opt(256, "units of the LSTM core (with --use-lstm 1)")
-    input_scale: float = opt(0.0, "image networks multiply uint8 pixels by this (0: auto, 1 / the observation space's "
-                                  "maximum: 1/255 for Atari frames, 1 for MinAtar's 0/1 planes)")
+    input_scale: float = opt(
+        0.0,
+        "image networks multiply uint8 pixels by this (0: auto, 1 / the observation space's "
+        "maximum: 1/255 for Atari frames, 1 for MinAtar's 0/1 planes)",
+    )
 
     def check(self) -> None:
         super().check()
         at_least(self, 1, "lstm_size")
         finite("input_scale", self.input_scale)
-        need(not (self.use_lstm and self.model == "mlp"), "use_lstm needs an image network: the MLP has two torsos "
-                                                          "and no core (choose --model auto, shallow, minatar or deep)")
+        need(
+            not (self.use_lstm and self.model == "mlp"),
+            "use_lstm needs an image network: the MLP has two torsos "
+            "and no core (choose --model auto, shallow, minatar or deep)",
+        )
         try:
             sizes = self.hidden_size_tuple
         except ValueError:
             sizes = ()
-        need(len(sizes) >= 1 and all(h >= 1 for h in sizes),
-             f"hidden_sizes must be comma-separated positive integers, got {self.hidden_sizes!r}")
+        need(
+            len(sizes) >= 1 and all(h >= 1 for h in sizes),
+            f"hidden_sizes must be comma-separated positive integers, got {self.hidden_sizes!r}",
+        )
 
     @property
     def hidden_size_tuple(self) -> tuple[int, ...]:
@@ -150,34 +189,47 @@ class Loss(Section):
     NAME = "loss"
     TITLE = "loss and optimiser"
     batch_size: int = opt(16, "B: trajectories per learner update")
-    optimizer: str = opt("adam", "adam (the source article's choice) or rmsprop (torchbeast's)",
-                         choices=("adam", "rmsprop"))
+    optimizer: str = opt(
+        "adam", "adam (the source article's choice) or rmsprop (torchbeast's)", choices=("adam", "rmsprop")
+    )
     learning_rate: float = opt(1e-3, "initial learning rate")
-    lr_schedule: str = opt("linear", "linear (decay to 0 at total_env_steps) or constant",
-                           choices=("linear", "constant"))
+    lr_schedule: str = opt(
+        "linear", "linear (decay to 0 at total_env_steps) or constant", choices=("linear", "constant")
+    )
     adam_eps: float = opt(1e-5, "Adam epsilon")
     rmsprop_alpha: float = opt(0.99, "RMSprop smoothing constant")
     rmsprop_eps: float = opt(0.01, "RMSprop epsilon")
     rmsprop_momentum: float = opt(0.0, "RMSprop momentum")
     max_grad_norm: float = opt(40.0, "clip the global gradient norm to this (0: no clipping)")
-    precision: str = opt("fp32", "fp32, or bf16: the network's forward pass under bf16 autocast (importance weights, "
-                                 "V-trace and the losses stay fp32; no loss scaling needed)")
+    precision: str = opt(
+        "fp32",
+        "fp32, or bf16: the network's forward pass under bf16 autocast (importance weights, "
+        "V-trace and the losses stay fp32; no loss scaling needed)",
+    )
     discount: float = opt(0.99, "gamma")
     entropy_cost: float = opt(0.001, "weight of the entropy bonus")
-    final_entropy_cost: float = opt(-1.0, "anneal the entropy bonus linearly from entropy_cost to this at "
-                                          "total_env_steps (-1: no annealing, entropy_cost throughout)")
+    final_entropy_cost: float = opt(
+        -1.0,
+        "anneal the entropy bonus linearly from entropy_cost to this at "
+        "total_env_steps (-1: no annealing, entropy_cost throughout)",
+    )
     baseline_cost: float = opt(0.5, "weight of the baseline (value) loss")
     reward_clip: float = opt(0.0, "clip rewards to [-x, x] before learning (0: no clipping)")
-    reward_scale: float = opt(0.1, "multiply rewards by this before learning, after clipping (keeps values near "
-                                        "unit scale: CartPole returns of 500 would otherwise make values of ~100)")
-    normalize_advantages: int = opt(0, "1: divide policy-gradient advantages by their batch standard deviation",
-                                    choices=(0, 1))
+    reward_scale: float = opt(
+        0.1,
+        "multiply rewards by this before learning, after clipping (keeps values near "
+        "unit scale: CartPole returns of 500 would otherwise make values of ~100)",
+    )
+    normalize_advantages: int = opt(
+        0, "1: divide policy-gradient advantages by their batch standard deviation", choices=(0, 1)
+    )
     clip_rho_threshold: float = opt(1.0, "V-trace rho-bar (0: no clipping)")
     clip_pg_rho_threshold: float = opt(1.0, "clip of the policy-gradient importance weight (0: no clipping)")
     clip_c_threshold: float = opt(1.0, "V-trace c-bar (0: no clipping)")
     vtrace_lambda: float = opt(1.0, "V-trace lambda: c_t = lambda * min(c-bar, rho_t); < 1 trades bias for variance")
-    max_abs_reward: float = opt(1e6, "clip rewards from the wire to +-this (raw units, before --reward-clip and "
-                                     "--reward-scale)")
+    max_abs_reward: float = opt(
+        1e6, "clip rewards from the wire to +-this (raw units, before --reward-clip and --reward-scale)"
+    )
     max_abs_truncation_value: float = opt(1e6, "clip truncation_value to +-this (reward-scaled units)")
     max_abs_logit: float = opt(1e3, "clip behaviour_logits to +-this")
     max_abs_obs: float = opt(1e6, "clip float observations to +-this")
@@ -185,16 +237,28 @@ class Loss(Section):
     def check(self) -> None:
         super().check()
         at_least(self, 1, "batch_size")
-        need(self.precision in ("fp32", "bf16"), f"precision must be fp32 or bf16, got {self.precision!r} (fp16 would "
-                                                 "need loss scaling, and bf16 has fp32's range without it)")
+        need(
+            self.precision in ("fp32", "bf16"),
+            f"precision must be fp32 or bf16, got {self.precision!r} (fp16 would "
+            "need loss scaling, and bf16 has fp32's range without it)",
+        )
         need(self.learning_rate > 0, "learning_rate must be > 0")
         need(0.0 <= self.discount <= 1.0, "discount must lie in [0, 1]: values would diverge")
-        for name in ("entropy_cost", "baseline_cost", "reward_clip", "max_grad_norm", "clip_rho_threshold",
-                     "clip_pg_rho_threshold", "clip_c_threshold"):
+        for name in (
+            "entropy_cost",
+            "baseline_cost",
+            "reward_clip",
+            "max_grad_norm",
+            "clip_rho_threshold",
+            "clip_pg_rho_threshold",
+            "clip_c_threshold",
+        ):
             finite(name, getattr(self, name))
-        need(self.final_entropy_cost == -1.0 or (math.isfinite(self.final_entropy_cost) and
-                                                 self.final_entropy_cost >= 0),
-             "final_entropy_cost must be a finite number >= 0, or -1 for no annealing")
+        need(
+            self.final_entropy_cost == -1.0
+            or (math.isfinite(self.final_entropy_cost) and self.final_entropy_cost >= 0),
+            "final_entropy_cost must be a finite number >= 0, or -1 for no annealing",
+        )
         need(0.0 <= self.vtrace_lambda <= 1.0, "vtrace_lambda must lie in [0, 1]: above 1 the traces explode")
         need(self.baseline_cost > 0, "baseline_cost must be > 0: without a trained baseline V-trace targets are noise")
         positive(self, "max_abs_reward", "max_abs_truncation_value", "max_abs_logit", "max_abs_obs")
@@ -212,26 +276,40 @@ class Ring(Section):
     NAME = "ring"
     TITLE = "ring and flow control"
     ring_batches: int = opt(8, "batch slots in the ring buffer (>= 3)")
-    when_full: str = opt("drop_oldest", "when every ring slot is taken: drop_oldest (the oldest waiting batch) or "
-                                        "wait (stop reading; socket high-water marks then make actors wait)",
-                         choices=("drop_oldest", "wait"))
+    when_full: str = opt(
+        "drop_oldest",
+        "when every ring slot is taken: drop_oldest (the oldest waiting batch) or "
+        "wait (stop reading; socket high-water marks then make actors wait)",
+        choices=("drop_oldest", "wait"),
+    )
     max_policy_lag: int = opt(100, "drop trajectories whose behaviour policy is more than this many versions old")
-    flow_control: str = opt("pace", "pace: the weights tell actors how fast to act so that they produce what "
-                                    "training consumes (learner/pacing.py; actors slow down instead of being dropped), "
-                                    "or none (actors act as fast as they can; when_full decides what gives)",
-                            choices=FLOW_CONTROLS)
-    pace_target_batches: float = opt(2.0, "pacing: batches the learner wants waiting in its ring (fewer: less policy "
-                                          "lag; too few and training waits for data)")
+    flow_control: str = opt(
+        "pace",
+        "pace: the weights tell actors how fast to act so that they produce what "
+        "training consumes (learner/pacing.py; actors slow down instead of being dropped), "
+        "or none (actors act as fast as they can; when_full decides what gives)",
+        choices=FLOW_CONTROLS,
+    )
+    pace_target_batches: float = opt(
+        2.0,
+        "pacing: batches the learner wants waiting in its ring (fewer: less policy "
+        "lag; too few and training waits for data)",
+    )
     pace_window_s: float = opt(5.0, "pacing: the consumption rate and the number of actors are measured over this")
     max_pace_s_per_trajectory: float = opt(10.0, "pacing: the slowest pace the learner asks for")
 
     def check(self) -> None:
         super().check()
-        need(self.ring_batches >= 3, "ring_batches must be >= 3 (one filling, one training, one waiting); with fewer "
-                                     "the receiver and the trainer would wait on each other")
+        need(
+            self.ring_batches >= 3,
+            "ring_batches must be >= 3 (one filling, one training, one waiting); with fewer "
+            "the receiver and the trainer would wait on each other",
+        )
         need(self.max_policy_lag >= 1, "max_policy_lag must be >= 1: 0 would drop everything the actors send")
-        need(math.isfinite(self.pace_target_batches) and self.pace_target_batches > 0,
-             "pace_target_batches must be > 0: with nothing waiting the trainer would wait for every batch")
+        need(
+            math.isfinite(self.pace_target_batches) and self.pace_target_batches > 0,
+            "pace_target_batches must be > 0: with nothing waiting the trainer would wait for every batch",
+        )
         positive(self, "pace_window_s", "max_pace_s_per_trajectory")
 
 
@@ -241,23 +319,38 @@ class Network(Section):
 
     NAME = "network"
     TITLE = "network"
-    listen: str = opt("", "ZeroMQ address trajectories arrive on (PULL; default tcp://127.0.0.1:5555 for "
-                          "'learner', a free loopback port for 'train')")
+    listen: str = opt(
+        "",
+        "ZeroMQ address trajectories arrive on (PULL; default tcp://127.0.0.1:5555 for "
+        "'learner', a free loopback port for 'train')",
+    )
     publish: str = opt("", "ZeroMQ address weights go out on (PUB; default: the listen port + 1)")
-    curve_keys: str = opt("", "directory with learner.key_secret and allowed/*.key: CurveZMQ on both sockets, only "
-                              "actors whose public key is in allowed/ get in (see README, Security)")
+    curve_keys: str = opt(
+        "",
+        "directory with learner.key_secret and allowed/*.key: CurveZMQ on both sockets, only "
+        "actors whose public key is in allowed/ get in (see README, Security)",
+    )
     insecure: int = opt(0, "1: allow binding a non-loopback address without --curve-keys", choices=(0, 1))
     receive_hwm_messages: int = opt(8, "ZMQ_RCVHWM: messages queued per connected actor before it must wait")
-    receive_buffer_bytes: int = opt(0, "ZMQ_RCVBUF of the trajectory socket, the kernel's receive buffer per "
-                                       "connection (0: the system's, which grows to megabytes: hundreds of small "
-                                       "messages, that is policy lag, queue there when training falls behind)")
+    receive_buffer_bytes: int = opt(
+        0,
+        "ZMQ_RCVBUF of the trajectory socket, the kernel's receive buffer per "
+        "connection (0: the system's, which grows to megabytes: hundreds of small "
+        "messages, that is policy lag, queue there when training falls behind)",
+    )
     publish_interval_s: float = opt(0.0, "least time between two weight publications (0: after every update)")
     republish_interval_s: float = opt(5.0, "resend the latest weights this often (actors that join get them at once)")
-    min_resend_interval_s: float = opt(1.0, "least time between two re-sends of the weights to new subscribers "
-                                            "(subscriptions meanwhile share the next one)")
-    peer_timeout_s: float = opt(30.0, "close a connection whose peer has answered no ZeroMQ heartbeat for this long "
-                                      "(a machine gone, or a link down, without the connection being closed; 0: "
-                                      "TCP's own timeouts, about 15 minutes)")
+    min_resend_interval_s: float = opt(
+        1.0,
+        "least time between two re-sends of the weights to new subscribers "
+        "(subscriptions meanwhile share the next one)",
+    )
+    peer_timeout_s: float = opt(
+        30.0,
+        "close a connection whose peer has answered no ZeroMQ heartbeat for this long "
+        "(a machine gone, or a link down, without the connection being closed; 0: "
+        "TCP's own timeouts, about 15 minutes)",
+    )
     handshake_timeout_s: float = opt(10.0, "close a connection that has not completed the ZeroMQ handshake by then")
     connection_check_interval_s: float = opt(0.05, "how often unread bytes per connection are checked")
 
@@ -279,39 +372,68 @@ class Limits(Section):
     NAME = "limits"
     TITLE = "limits"
     max_message_bytes: int = opt(16 << 20, "largest trajectory message accepted (ZMQ_MAXMSGSIZE)")
-    max_trajectories_per_message: int = opt(0, "most trajectories in one message (0: auto, 256 or as many as fit "
-                                                "in 64 MiB decoded, whichever is fewer; sizes the decode scratch)")
+    max_trajectories_per_message: int = opt(
+        0,
+        "most trajectories in one message (0: auto, 256 or as many as fit "
+        "in 64 MiB decoded, whichever is fewer; sizes the decode scratch)",
+    )
     max_episodes_per_message: int = opt(4096, "most episode records in one message")
     max_actor_id_bytes: int = opt(64, "longest actor id")
     max_abs_episode_return: float = opt(1e12, "reject a message reporting an episode return beyond +-this")
     max_episode_length_steps: int = opt(1 << 40, "reject a message reporting an episode longer than this")
     max_tracked_actors: int = opt(100_000, "actor ids remembered for replay detection (least recent forgotten)")
-    max_plausible_latency_s: float = opt(3600.0, "latency figures take only sent_at_ns within this of the learner's "
-                                                 "clock (a peer's clock far off or lying is counted, not averaged)")
-    max_connections: int = opt(1024, "most connections per socket (trajectories, weights), authenticated or not; "
-                                     "newer ones are closed at once (lowered to fit the file-descriptor limit)")
-    max_unread_bytes_per_connection: int = opt(0, "close a connection that makes the learner hold more unread bytes "
-                                                  "(queued or partial messages) than this (0: auto, "
-                                                  "(receive_hwm_messages + 2) * max_message_bytes)")
-    max_unread_bytes_total: int = opt(2 << 30, "while all connections together hold more unread bytes than this, "
-                                               "close the one holding most")
+    max_plausible_latency_s: float = opt(
+        3600.0,
+        "latency figures take only sent_at_ns within this of the learner's "
+        "clock (a peer's clock far off or lying is counted, not averaged)",
+    )
+    max_connections: int = opt(
+        1024,
+        "most connections per socket (trajectories, weights), authenticated or not; "
+        "newer ones are closed at once (lowered to fit the file-descriptor limit)",
+    )
+    max_unread_bytes_per_connection: int = opt(
+        0,
+        "close a connection that makes the learner hold more unread bytes "
+        "(queued or partial messages) than this (0: auto, "
+        "(receive_hwm_messages + 2) * max_message_bytes)",
+    )
+    max_unread_bytes_total: int = opt(
+        2 << 30, "while all connections together hold more unread bytes than this, close the one holding most"
+    )
     max_subscription_bytes: int = opt(1024, "ZMQ_MAXMSGSIZE of the weights socket: subscriptions and handshakes")
-    max_subscriptions_per_connection: int = opt(16, "close a weights connection that sends more subscription "
-                                                    "messages than this (an honest subscriber sends one)")
+    max_subscriptions_per_connection: int = opt(
+        16,
+        "close a weights connection that sends more subscription messages than this (an honest subscriber sends one)",
+    )
 
     def check(self) -> None:
         super().check()
         need(self.max_message_bytes >= 1024, "max_message_bytes must be >= 1024")
         at_least(self, 0, "max_trajectories_per_message")
-        at_least(self, 1, "max_episodes_per_message", "max_actor_id_bytes", "max_tracked_actors", "max_connections",
-                 "max_subscriptions_per_connection", "max_episode_length_steps")
-        need(self.max_unread_bytes_per_connection == 0 or self.max_unread_bytes_per_connection
-             >= self.max_message_bytes, "max_unread_bytes_per_connection must be 0 (auto) or >= max_message_bytes: "
-                                        "a connection must be able to hold one whole message")
-        need(self.max_unread_bytes_total >= self.max_message_bytes,
-             "max_unread_bytes_total must be >= max_message_bytes: no message could ever be received")
-        need(self.max_subscription_bytes >= 512, "max_subscription_bytes must be >= 512: a CurveZMQ handshake "
-                                                 "needs frames of about 300 bytes")
+        at_least(
+            self,
+            1,
+            "max_episodes_per_message",
+            "max_actor_id_bytes",
+            "max_tracked_actors",
+            "max_connections",
+            "max_subscriptions_per_connection",
+            "max_episode_length_steps",
+        )
+        need(
+            self.max_unread_bytes_per_connection == 0 or self.max_unread_bytes_per_connection >= self.max_message_bytes,
+            "max_unread_bytes_per_connection must be 0 (auto) or >= max_message_bytes: "
+            "a connection must be able to hold one whole message",
+        )
+        need(
+            self.max_unread_bytes_total >= self.max_message_bytes,
+            "max_unread_bytes_total must be >= max_message_bytes: no message could ever be received",
+        )
+        need(
+            self.max_subscription_bytes >= 512,
+            "max_subscription_bytes must be >= 512: a CurveZMQ handshake needs frames of about 300 bytes",
+        )
         positive(self, "max_abs_episode_return", "max_plausible_latency_s")
 
 
@@ -323,10 +445,15 @@ class Checkpoints(Section):
     TITLE = "checkpoints"
     checkpoint_interval_s: float = opt(600.0, "write a checkpoint this often (a final one is always written)")
     checkpoint_keep: int = opt(3, "checkpoints kept in logdir (older ones deleted)")
-    checkpoint_retry_interval_s: float = opt(10.0, "after a failed checkpoint (disk full, no file descriptor), try "
-                                                   "again this much later; training goes on meanwhile")
-    max_checkpoint_bytes: int = opt(4 << 30, "at resume, skip a checkpoint larger than this, or one whose records "
-                                             "are compressed (torch writes them stored)")
+    checkpoint_retry_interval_s: float = opt(
+        10.0,
+        "after a failed checkpoint (disk full, no file descriptor), try "
+        "again this much later; training goes on meanwhile",
+    )
+    max_checkpoint_bytes: int = opt(
+        4 << 30,
+        "at resume, skip a checkpoint larger than this, or one whose records are compressed (torch writes them stored)",
+    )
 
     def check(self) -> None:
         super().check()
@@ -342,23 +469,42 @@ class Observe(MetricsHttp):
     NAME = "observe"
     TITLE = "observability"
     report_interval_s: float = opt(1.0, "write a metrics line this often")
-    health_stale_s: float = opt(60.0, "/healthz answers 503 when the training thread or the receive loop has not "
-                                      "made progress for this long (one update, and a checkpoint write, must fit in "
-                                      "it: both run on the training thread)")
-    tensorboard: int = opt(0, "1: also write every metrics.jsonl figure as TensorBoard events under "
-                              "LOGDIR/tensorboard (needs pip install 'impala-async[tensorboard]')", choices=(0, 1))
+    health_stale_s: float = opt(
+        60.0,
+        "/healthz answers 503 when the training thread or the receive loop has not "
+        "made progress for this long (one update, and a checkpoint write, must fit in "
+        "it: both run on the training thread)",
+    )
+    tensorboard: int = opt(
+        0,
+        "1: also write every metrics.jsonl figure as TensorBoard events under "
+        "LOGDIR/tensorboard (needs pip install 'impala-async[tensorboard]')",
+        choices=(0, 1),
+    )
     tensorboard_flush_interval_s: float = opt(10.0, "TensorBoard events reach the disk at least this often")
-    max_tensorboard_queue_records: int = opt(100, "metrics records waiting for the TensorBoard writer thread; one "
-                                                  "more is dropped (and a warning logged) rather than waited for")
-    collapse_entropy_fraction: float = opt(0.1, "warn of a policy collapse when the entropy (median of the last 3 "
-                                                "reports) falls below this fraction of its maximum over the last "
-                                                "collapse_window_updates updates: 0.1, an order of magnitude (0: off)")
-    collapse_window_updates: int = opt(1000, "updates over which the entropy's recent maximum is taken (a fall "
-                                             "slower than this is a policy settling down, not a cliff)")
-    collapse_rho_far_frac: float = opt(0.1, "warn of policy drift when more than this share of importance weights "
-                                            "(median of the last 3 reports) lies outside [1/2, 2]: the policy being "
-                                            "trained and the one that acted disagree by 2x on the action taken "
-                                            "(healthy runs: near 0; 0: off)")
+    max_tensorboard_queue_records: int = opt(
+        100,
+        "metrics records waiting for the TensorBoard writer thread; one "
+        "more is dropped (and a warning logged) rather than waited for",
+    )
+    collapse_entropy_fraction: float = opt(
+        0.1,
+        "warn of a policy collapse when the entropy (median of the last 3 "
+        "reports) falls below this fraction of its maximum over the last "
+        "collapse_window_updates updates: 0.1, an order of magnitude (0: off)",
+    )
+    collapse_window_updates: int = opt(
+        1000,
+        "updates over which the entropy's recent maximum is taken (a fall "
+        "slower than this is a policy settling down, not a cliff)",
+    )
+    collapse_rho_far_frac: float = opt(
+        0.1,
+        "warn of policy drift when more than this share of importance weights "
+        "(median of the last 3 reports) lies outside [1/2, 2]: the policy being "
+        "trained and the one that acted disagree by 2x on the action taken "
+        "(healthy runs: near 0; 0: off)",
+    )
     collapse_warn_interval_s: float = opt(60.0, "at most one warning of each kind (entropy, drift) this often")
 
     def check(self) -> None:
@@ -378,22 +524,37 @@ class Ranks(Section):
 
     NAME = "ranks"
     TITLE = "learner ranks"
-    learner_ranks: int = opt(1, "learner ranks (processes) training in lock step with averaged gradients, each on "
-                                "its own trajectory socket (rank r >= 1 on the listen port + 1 + r) and, on CUDA, "
-                                "GPU cuda:r; under torchrun WORLD_SIZE gives it")
-    rank_collective_timeout_s: float = opt(60.0, "the longest a rank waits in a collective for the others (one of "
-                                                 "them has no batch yet); then the learner stops (exit 6)")
+    learner_ranks: int = opt(
+        1,
+        "learner ranks (processes) training in lock step with averaged gradients, each on "
+        "its own trajectory socket (rank r >= 1 on the listen port + 1 + r) and, on CUDA, "
+        "GPU cuda:r; under torchrun WORLD_SIZE gives it",
+    )
+    rank_collective_timeout_s: float = opt(
+        60.0,
+        "the longest a rank waits in a collective for the others (one of "
+        "them has no batch yet); then the learner stops (exit 6)",
+    )
     rank_start_timeout_s: float = opt(120.0, "every learner rank must have joined (and bound its socket) within this")
-    rank_heartbeat_interval_s: float = opt(0.5, "learner ranks report that they are alive (and their counters) "
-                                                "this often")
-    rank_heartbeat_timeout_s: float = opt(5.0, "a learner rank silent for this long is taken for dead: the learner "
-                                               "stops (exit 6)")
-    rank_state_dump: int = opt(0, "1: at exit every learner rank writes LOGDIR/rank-<r>-state.pt (model and "
-                                  "optimizer state, updates) so that ranks can be compared (tests)", choices=(0, 1))
+    rank_heartbeat_interval_s: float = opt(
+        0.5, "learner ranks report that they are alive (and their counters) this often"
+    )
+    rank_heartbeat_timeout_s: float = opt(
+        5.0, "a learner rank silent for this long is taken for dead: the learner stops (exit 6)"
+    )
+    rank_state_dump: int = opt(
+        0,
+        "1: at exit every learner rank writes LOGDIR/rank-<r>-state.pt (model and "
+        "optimizer state, updates) so that ranks can be compared (tests)",
+        choices=(0, 1),
+    )
 
     def check(self) -> None:
         super().check()
         at_least(self, 1, "learner_ranks")
         finite_positive(self, "rank_collective_timeout_s", "rank_start_timeout_s", "rank_heartbeat_interval_s")
-        need(self.rank_heartbeat_timeout_s > 2 * self.rank_heartbeat_interval_s, "rank_heartbeat_timeout_s must "
-             "exceed twice rank_heartbeat_interval_s, or healthy ranks would be taken for dead")
+        need(
+            self.rank_heartbeat_timeout_s > 2 * self.rank_heartbeat_interval_s,
+            "rank_heartbeat_timeout_s must "
+            "exceed twice rank_heartbeat_interval_s, or healthy ranks would be taken for dead",
+        )

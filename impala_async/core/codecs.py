@@ -81,8 +81,10 @@ def refusal(field: FieldSpec, high: float) -> str | None:
     the observation space's largest value), or None. JPEG is for pictures of pixels 0 to 255, not for MinAtar's 0/1
     planes (it would blur them into other values) nor for vectors."""
     if image_geometry(field) is None or high != 255.0:
-        return (f"--obs-codec jpeg needs uint8 image observations [C, H, W] of pixels 0 to 255, not {field.dtype} "
-                f"{field.name} {list(field.shape)} of values up to {high:g}")
+        return (
+            f"--obs-codec jpeg needs uint8 image observations [C, H, W] of pixels 0 to 255, not {field.dtype} "
+            f"{field.name} {list(field.shape)} of values up to {high:g}"
+        )
     if not available():
         return f"--obs-codec jpeg needs the jpeg extra: {INSTALL_HINT}"
     return None
@@ -110,8 +112,9 @@ def encode_jpeg(a: np.ndarray, quality: int) -> bytes:
     tall = np.ascontiguousarray(a).reshape(-1, W, 1)  # [N*H, W, 1]: every plane, one under the other
     pieces, row = [], 0
     for planes in piece_planes(tall.shape[0] // H, H):
-        pieces.append(sj.encode_jpeg(tall[row:row + planes * H], quality=quality, colorspace="GRAY",
-                                     colorsubsampling="Gray"))
+        pieces.append(
+            sj.encode_jpeg(tall[row : row + planes * H], quality=quality, colorspace="GRAY", colorsubsampling="Gray")
+        )
         row += planes * H
     table = b"".join(len(p).to_bytes(LENGTH_BYTES, "little") for p in pieces)
     return table + b"".join(pieces)
@@ -125,8 +128,9 @@ def frame_header(piece) -> tuple[int, int]:
     (progressive scans could make decoding cost many times the picture), not 8 bits, not one component, two frame
     headers, or a scan before the frame header."""
     if bytes(piece[:2]) != b"\xff\xd8" or bytes(piece[-2:]) != b"\xff\xd9":
-        raise JpegRejected("bad_jpeg", "a piece does not begin with a JPEG start-of-image marker and end with an "
-                                       "end-of-image marker")
+        raise JpegRejected(
+            "bad_jpeg", "a piece does not begin with a JPEG start-of-image marker and end with an end-of-image marker"
+        )
     i, end, size = 2, len(piece), None
     for _ in range(MAX_HEADER_SEGMENTS):
         if i + 4 > end or piece[i] != 0xFF:
@@ -134,7 +138,7 @@ def frame_header(piece) -> tuple[int, int]:
         marker = piece[i + 1]
         if marker in _STANDALONE or marker == 0xFF:
             raise JpegRejected("bad_jpeg", f"marker 0x{marker:02X} before the frame's scan")
-        length = int.from_bytes(piece[i + 2:i + 4], "big")
+        length = int.from_bytes(piece[i + 2 : i + 4], "big")
         body, i = i + 4, i + 2 + length
         if length < 2 or i > end:
             raise JpegRejected("bad_jpeg", f"a marker segment of {length} bytes overruns the piece")
@@ -145,7 +149,10 @@ def frame_header(piece) -> tuple[int, int]:
                 raise JpegRejected("bad_jpeg", "two frame headers in a piece")
             if length != 11 or piece[body] != 8 or piece[body + 5] != 1:
                 raise JpegRejected("bad_jpeg", "the frame header is not one of an 8-bit single-component picture")
-            size = (int.from_bytes(piece[body + 1:body + 3], "big"), int.from_bytes(piece[body + 3:body + 5], "big"))
+            size = (
+                int.from_bytes(piece[body + 1 : body + 3], "big"),
+                int.from_bytes(piece[body + 3 : body + 5], "big"),
+            )
         elif marker == _SOS:
             if size is None:
                 raise JpegRejected("bad_jpeg", "a scan before the frame header")
@@ -157,8 +164,9 @@ def split_field(geometry: tuple[int, int, int] | None, data, n: int) -> list:
     """:func:`split_jpeg` for ``n`` trajectories of a field of this :func:`image_geometry`; rejects (``bad_field``) a
     field that is no image, and any jpeg where simplejpeg is missing (the learner could not decode it)."""
     if geometry is None:
-        raise JpegRejected("bad_field", "codec jpeg is for uint8 image fields only (obs of uint8 [T+1, C, H, W], "
-                                        "frames)")
+        raise JpegRejected(
+            "bad_field", "codec jpeg is for uint8 image fields only (obs of uint8 [T+1, C, H, W], frames)"
+        )
     if not available():
         raise JpegRejected("bad_field", f"this learner cannot decode jpeg ({INSTALL_HINT})")
     planes, H, W = geometry
@@ -172,20 +180,28 @@ def split_jpeg(data, planes: int, H: int, W: int) -> list:
     k = len(counts)
     table = LENGTH_BYTES * k
     if len(data) < table:
-        raise JpegRejected("bad_size", f"a jpeg payload of {len(data)} bytes cannot hold the length table of the {k} "
-                                       f"pieces the spec gives ({planes} planes of {H}x{W})")
+        raise JpegRejected(
+            "bad_size",
+            f"a jpeg payload of {len(data)} bytes cannot hold the length table of the {k} "
+            f"pieces the spec gives ({planes} planes of {H}x{W})",
+        )
     lengths = struct.unpack_from(f"<{k}I", data)
     if sum(lengths) != len(data) - table:
-        raise JpegRejected("bad_size", f"jpeg piece lengths {short(lengths)} do not add up to the {len(data) - table} "
-                                       f"bytes after the length table")
+        raise JpegRejected(
+            "bad_size",
+            f"jpeg piece lengths {short(lengths)} do not add up to the {len(data) - table} "
+            f"bytes after the length table",
+        )
     pieces, at = [], table
     for count, length in zip(counts, lengths, strict=True):
-        piece = data[at:at + length]
+        piece = data[at : at + length]
         at += length
         rows, cols = frame_header(piece)
         if (rows, cols) != (count * H, W):
-            raise JpegRejected("bad_jpeg_dimensions", f"a piece of {rows}x{cols} pixels where the spec gives "
-                                                      f"{count * H}x{W} ({count} planes of {H}x{W})")
+            raise JpegRejected(
+                "bad_jpeg_dimensions",
+                f"a piece of {rows}x{cols} pixels where the spec gives {count * H}x{W} ({count} planes of {H}x{W})",
+            )
         pieces.append(piece)
     return pieces
 
@@ -203,7 +219,7 @@ def decode_jpeg_into(pieces: list, out: np.ndarray, H: int, W: int) -> None:
     for piece, count in zip(pieces, counts, strict=True):
         size = count * plane_bytes
         try:  # simplejpeg writes the picture into the buffer; split_jpeg checked that it is exactly this size
-            sj.decode_jpeg(piece, colorspace="GRAY", buffer=flat[at:at + size], strict=True)
+            sj.decode_jpeg(piece, colorspace="GRAY", buffer=flat[at : at + size], strict=True)
         except (ValueError, RuntimeError) as e:  # libjpeg errors, and its warnings (strict): corrupt or truncated
             raise JpegRejected("bad_jpeg", f"a piece does not decode: {e}") from None
         at += size

@@ -42,13 +42,15 @@ def pack(obs: np.ndarray, done: np.ndarray) -> np.ndarray:
         if not began.any():
             ok = np.array_equal(obs[:, t, :-1], obs[:, t - 1, 1:])
         else:
-            ok = (np.array_equal(obs[~began, t, :-1], obs[~began, t - 1, 1:])
-                  and bool((obs[began, t, :-1] == obs[began, t, -1:]).all()))
+            ok = np.array_equal(obs[~began, t, :-1], obs[~began, t - 1, 1:]) and bool(
+                (obs[began, t, :-1] == obs[began, t, -1:]).all()
+            )
         if not ok:
             raise ValueError(
                 f"observation {t} of an unroll is not a stack of the frames before it (oldest first, a new "
                 f"episode's stack repeating its first frame): start the learner with --frame-dedup 0 for this "
-                f"environment")
+                f"environment"
+            )
     return frames
 
 

@@ -25,13 +25,17 @@ SMALL_IMAGE_PIXELS = 16  # "auto" picks the MinAtar network for images at most t
 IMPALA_STAGES = ((16, 2), (32, 2), (32, 2))  # (channels, residual blocks) per stage of the IMPALA deep network
 IMPALA_FC_SIZE = 256
 # The keys of run.model per kind, closed: an actor refuses a kind or a key it does not know.
-MODEL_KEYS = {"mlp": ("kind", "hidden_sizes", "activation"),
-              "conv": ("kind", "input_scale", "conv_layers", "fc_size", "activation", "lstm_size"),
-              "deep": ("kind", "input_scale", "stages", "fc_size", "lstm_size")}
+MODEL_KEYS = {
+    "mlp": ("kind", "hidden_sizes", "activation"),
+    "conv": ("kind", "input_scale", "conv_layers", "fc_size", "activation", "lstm_size"),
+    "deep": ("kind", "input_scale", "stages", "fc_size", "lstm_size"),
+}
 # The ModelConfig fields each kind uses; a concrete kind leaves the others at their defaults.
-_KIND_FIELDS = {"mlp": ("hidden_sizes", "activation"),
-                "conv": ("conv_layers", "fc_size", "conv_activation", "input_scale", "lstm_size"),
-                "deep": ("stages", "fc_size", "input_scale", "lstm_size")}
+_KIND_FIELDS = {
+    "mlp": ("hidden_sizes", "activation"),
+    "conv": ("conv_layers", "fc_size", "conv_activation", "input_scale", "lstm_size"),
+    "deep": ("stages", "fc_size", "input_scale", "lstm_size"),
+}
 
 
 def _index(value, what: str, minimum: int) -> int:
@@ -80,8 +84,14 @@ class ModelConfig:
             layer = _int_seq(layer, "a conv layer")
             if len(layer) != 4:
                 raise ValueError(f"a conv layer is [out_channels, kernel, stride, padding], got {list(layer)}")
-            layers.append(tuple(_index(v, f"conv layer {name}", low) for v, name, low in
-                                zip(layer, ("out_channels", "kernel", "stride", "padding"), (1, 1, 1, 0), strict=True)))
+            layers.append(
+                tuple(
+                    _index(v, f"conv layer {name}", low)
+                    for v, name, low in zip(
+                        layer, ("out_channels", "kernel", "stride", "padding"), (1, 1, 1, 0), strict=True
+                    )
+                )
+            )
         if not layers:
             raise ValueError("conv_layers must name at least one layer")
         stages = []
@@ -105,11 +115,16 @@ class ModelConfig:
             raise ValueError(f"input_scale must be a finite number > 0, got {scale!r}")
         object.__setattr__(self, "input_scale", float(scale))
         if self.kind != "auto":
-            unused = [f.name for f in fields(self) if f.name != "kind" and f.name not in _KIND_FIELDS[self.kind]
-                      and getattr(self, f.name) != f.default]
+            unused = [
+                f.name
+                for f in fields(self)
+                if f.name != "kind" and f.name not in _KIND_FIELDS[self.kind] and getattr(self, f.name) != f.default
+            ]
             if unused:
-                raise ValueError(f"a {self.kind} model does not use {', '.join(unused)}"
-                                 + (" (an LSTM core needs an image network)" if "lstm_size" in unused else ""))
+                raise ValueError(
+                    f"a {self.kind} model does not use {', '.join(unused)}"
+                    + (" (an LSTM core needs an image network)" if "lstm_size" in unused else "")
+                )
 
     @classmethod
     def deep(cls, input_scale: float = 1 / 255, lstm_size: int = 0) -> ModelConfig:
@@ -119,8 +134,13 @@ class ModelConfig:
     @classmethod
     def minatar(cls, input_scale: float = 1.0, lstm_size: int = 0) -> ModelConfig:
         """The MinAtar paper's network: one 3x3 convolution of 16 channels, a fully connected layer of 128."""
-        return cls("conv", conv_layers=MINATAR_CONV_LAYERS, fc_size=MINATAR_FC_SIZE, input_scale=input_scale,
-                   lstm_size=lstm_size)
+        return cls(
+            "conv",
+            conv_layers=MINATAR_CONV_LAYERS,
+            fc_size=MINATAR_FC_SIZE,
+            input_scale=input_scale,
+            lstm_size=lstm_size,
+        )
 
     def resolved(self, spec: TrajectorySpec) -> ModelConfig:
         """The concrete config for ``spec``: ``self`` unless kind is "auto", which becomes "conv" for uint8
@@ -133,8 +153,10 @@ class ModelConfig:
                 return ModelConfig.minatar(self.input_scale, self.lstm_size)
             return ModelConfig("conv", input_scale=self.input_scale, lstm_size=self.lstm_size)
         if self.lstm_size:
-            raise ValueError("an LSTM core needs an image network (uint8 [C, H, W] observations); these are "
-                             f"{spec.obs_dtype} {list(spec.obs_shape)}")
+            raise ValueError(
+                "an LSTM core needs an image network (uint8 [C, H, W] observations); these are "
+                f"{spec.obs_dtype} {list(spec.obs_shape)}"
+            )
         return ModelConfig("mlp", hidden_sizes=self.hidden_sizes, activation=self.activation)
 
     def to_dict(self) -> dict:
@@ -143,12 +165,22 @@ class ModelConfig:
         if self.kind == "mlp":
             return {"kind": "mlp", "hidden_sizes": list(self.hidden_sizes), "activation": self.activation}
         if self.kind == "conv":
-            return {"kind": "conv", "input_scale": self.input_scale,
-                    "conv_layers": [list(layer) for layer in self.conv_layers], "fc_size": self.fc_size,
-                    "activation": self.conv_activation, "lstm_size": self.lstm_size}
+            return {
+                "kind": "conv",
+                "input_scale": self.input_scale,
+                "conv_layers": [list(layer) for layer in self.conv_layers],
+                "fc_size": self.fc_size,
+                "activation": self.conv_activation,
+                "lstm_size": self.lstm_size,
+            }
         if self.kind == "deep":
-            return {"kind": "deep", "input_scale": self.input_scale, "stages": [list(s) for s in self.stages],
-                    "fc_size": self.fc_size, "lstm_size": self.lstm_size}
+            return {
+                "kind": "deep",
+                "input_scale": self.input_scale,
+                "stages": [list(s) for s in self.stages],
+                "fc_size": self.fc_size,
+                "lstm_size": self.lstm_size,
+            }
         raise ValueError("a model config of kind auto describes no network yet: resolve it against a spec first")
 
     @classmethod
@@ -163,18 +195,36 @@ class ModelConfig:
         want = set(MODEL_KEYS[kind])
         missing, unknown = sorted(want - set(d)), sorted(map(repr, set(d) - want))
         if missing or unknown:
-            raise ValueError(f"run.model of kind {kind}: " + "; ".join(
-                part for part in (missing and f"missing {', '.join(missing)}",
-                                  unknown and f"unknown key(s) {', '.join(unknown)}") if part))
+            raise ValueError(
+                f"run.model of kind {kind}: "
+                + "; ".join(
+                    part
+                    for part in (
+                        missing and f"missing {', '.join(missing)}",
+                        unknown and f"unknown key(s) {', '.join(unknown)}",
+                    )
+                    if part
+                )
+            )
         try:
             if kind == "mlp":
-                return cls("mlp", hidden_sizes=_int_seq(d["hidden_sizes"], "hidden_sizes"),
-                           activation=d["activation"])
+                return cls("mlp", hidden_sizes=_int_seq(d["hidden_sizes"], "hidden_sizes"), activation=d["activation"])
             if kind == "deep":
-                return cls("deep", stages=_int_seq(d["stages"], "stages"), fc_size=d["fc_size"],
-                           input_scale=d["input_scale"], lstm_size=d["lstm_size"])
-            return cls("conv", conv_layers=_int_seq(d["conv_layers"], "conv_layers"), fc_size=d["fc_size"],
-                       conv_activation=d["activation"], input_scale=d["input_scale"], lstm_size=d["lstm_size"])
+                return cls(
+                    "deep",
+                    stages=_int_seq(d["stages"], "stages"),
+                    fc_size=d["fc_size"],
+                    input_scale=d["input_scale"],
+                    lstm_size=d["lstm_size"],
+                )
+            return cls(
+                "conv",
+                conv_layers=_int_seq(d["conv_layers"], "conv_layers"),
+                fc_size=d["fc_size"],
+                conv_activation=d["activation"],
+                input_scale=d["input_scale"],
+                lstm_size=d["lstm_size"],
+            )
         except (TypeError, ValueError) as e:
             raise ValueError(f"run.model of kind {kind}: {e}") from None
 
@@ -210,10 +260,24 @@ def build_model(spec: TrajectorySpec, cfg: ModelConfig) -> nn.Module:
     if cfg.kind in ("conv", "deep") and len(spec.obs_shape) != 3:
         raise ValueError(f"a {cfg.kind} model needs [C, H, W] observations, got {spec.obs_shape}")
     if cfg.kind == "conv":
-        return ConvActorCritic(spec.obs_shape, spec.num_actions, cfg.fc_size, cfg.conv_layers, cfg.conv_activation,
-                               cfg.input_scale, cfg.lstm_size,
-                               flat_size=math.prod(conv_output_shape(spec.obs_shape, cfg.conv_layers)))
+        return ConvActorCritic(
+            spec.obs_shape,
+            spec.num_actions,
+            cfg.fc_size,
+            cfg.conv_layers,
+            cfg.conv_activation,
+            cfg.input_scale,
+            cfg.lstm_size,
+            flat_size=math.prod(conv_output_shape(spec.obs_shape, cfg.conv_layers)),
+        )
     if cfg.kind == "deep":
-        return ResNetActorCritic(spec.obs_shape, spec.num_actions, cfg.stages, cfg.fc_size, cfg.input_scale,
-                                 cfg.lstm_size, flat_size=math.prod(resnet_output_shape(spec.obs_shape, cfg.stages)))
+        return ResNetActorCritic(
+            spec.obs_shape,
+            spec.num_actions,
+            cfg.stages,
+            cfg.fc_size,
+            cfg.input_scale,
+            cfg.lstm_size,
+            flat_size=math.prod(resnet_output_shape(spec.obs_shape, cfg.stages)),
+        )
     return MLPActorCritic(math.prod(spec.obs_shape), spec.num_actions, cfg.hidden_sizes, cfg.activation)

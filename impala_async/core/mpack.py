@@ -42,7 +42,8 @@ def describe(c: int) -> str:
     if 0xC4 <= c <= 0xC6:
         return "binary"
     return {0xC0: "nil", 0xC2: "false", 0xC3: "true", 0xCA: "a float32", 0xCB: "a float64"}.get(
-        c, "an extension type" if 0xC7 <= c <= 0xC9 or 0xD4 <= c <= 0xD8 else f"the invalid byte 0x{c:02x}")
+        c, "an extension type" if 0xC7 <= c <= 0xC9 or 0xD4 <= c <= 0xD8 else f"the invalid byte 0x{c:02x}"
+    )
 
 
 class Reader:
@@ -79,7 +80,7 @@ class Reader:
         if start + width > self._n:
             raise Truncated("the message ends inside a length")
         self._i = start + width
-        return int.from_bytes(self._b[start:start + width], "big")
+        return int.from_bytes(self._b[start : start + width], "big")
 
     def map_header(self) -> int:
         """Number of key-value pairs of the map that starts here."""
@@ -143,7 +144,7 @@ class Reader:
                 end = i + 1 + (c & 0x1F)
                 if end <= self._n:
                     self._i = end
-                    return bytes(self._b[i + 1:end])
+                    return bytes(self._b[i + 1 : end])
         c = self._type()
         if 0xA0 <= c <= 0xBF:
             size, skip = c & 0x1F, 1
@@ -171,7 +172,7 @@ class Reader:
         i = self._i
         if i < self._n and 0xC4 <= self._b[i] <= 0xC6:  # inline: the length, then a slice
             start = i + 1 + (1 << (self._b[i] - 0xC4))
-            end = start + int.from_bytes(self._b[i + 1:start], "big")
+            end = start + int.from_bytes(self._b[i + 1 : start], "big")
             if end <= self._n:
                 self._i = end
                 return self._b[start:end]
@@ -203,7 +204,7 @@ class Reader:
                 continue
             c = b[i + 1]
             if c == 0xCB and i + 10 < n:
-                x, i = _FLOAT64.unpack(b[i + 2:i + 10])[0], i + 10
+                x, i = _FLOAT64.unpack(b[i + 2 : i + 10])[0], i + 10
             elif c <= 0x7F:
                 x, i = c, i + 2
             else:

@@ -75,8 +75,9 @@ class ActorCritic(nn.Module):
         h, c = self.core(x, state)
         return self.policy_head(h), self.value_head(h).squeeze(-1), (h, c)
 
-    def unroll(self, obs: torch.Tensor, state: tuple, starts: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def unroll(
+        self, obs: torch.Tensor, state: tuple, starts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``obs [B, T1, *obs_shape]`` (batch-major, as the ring holds it), ``state`` at ``obs[:, 0]``, ``starts
         [B, T1]`` -> ``(logits [T1, B, A], values [T1, B])`` (time-major)."""
         B, T1 = obs.shape[:2]
@@ -125,8 +126,17 @@ class ConvActorCritic(ActorCritic):
     ``LSTMCell -> [N, lstm_size]``; ``policy_head``: ``-> [N, A]``; ``value_head``: ``-> [N, 1]``, squeezed.
     """
 
-    def __init__(self, obs_shape, num_actions: int, fc_size: int, conv_layers, activation: str = "relu",
-                 input_scale: float = 1 / 255, lstm_size: int = 0, flat_size: int = 0):
+    def __init__(
+        self,
+        obs_shape,
+        num_actions: int,
+        fc_size: int,
+        conv_layers,
+        activation: str = "relu",
+        input_scale: float = 1 / 255,
+        lstm_size: int = 0,
+        flat_size: int = 0,
+    ):
         super().__init__()
         self.input_scale = float(input_scale)
         layers, c = [], obs_shape[0]
@@ -162,8 +172,16 @@ class ResNetActorCritic(ActorCritic):
     flatten (``[N, 32 * 11 * 11]`` for 84x84), ``fc`` Linear + ReLU ``-> [N, fc_size]`` (256), the optional LSTM core,
     and the heads. Convolutions and ``fc`` keep PyTorch's default initialisation (as torchbeast does)."""
 
-    def __init__(self, obs_shape, num_actions: int, stages, fc_size: int = 256, input_scale: float = 1 / 255,
-                 lstm_size: int = 0, flat_size: int = 0):
+    def __init__(
+        self,
+        obs_shape,
+        num_actions: int,
+        stages,
+        fc_size: int = 256,
+        input_scale: float = 1 / 255,
+        lstm_size: int = 0,
+        flat_size: int = 0,
+    ):
         super().__init__()
         self.input_scale = float(input_scale)
         self.stages = nn.ModuleList()

@@ -36,8 +36,15 @@ class Batch(NamedTuple):
 
 
 class TrajectoryRing:
-    def __init__(self, spec: TrajectorySpec, batch_size: int, num_batches: int, *, pin_memory: bool = False,
-                 drop_when_full: bool = True):
+    def __init__(
+        self,
+        spec: TrajectorySpec,
+        batch_size: int,
+        num_batches: int,
+        *,
+        pin_memory: bool = False,
+        drop_when_full: bool = True,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if num_batches < 3:
@@ -47,9 +54,13 @@ class TrajectoryRing:
         self.num_batches = num_batches
         self.drop_when_full = drop_when_full
         self.tensors = {
-            f.name: torch.empty((num_batches, batch_size, *f.shape), dtype=torch.from_numpy(np.empty(0, f.dtype)).dtype,
-                                pin_memory=pin_memory)
-            for f in spec.fields}
+            f.name: torch.empty(
+                (num_batches, batch_size, *f.shape),
+                dtype=torch.from_numpy(np.empty(0, f.dtype)).dtype,
+                pin_memory=pin_memory,
+            )
+            for f in spec.fields
+        }
         arrays = {name: t.numpy() for name, t in self.tensors.items()}
         # numpy views [B, *shape] of each batch slot, made once: the hot path only slices them.
         self._views = [{name: a[k] for name, a in arrays.items()} for k in range(num_batches)]
@@ -87,13 +98,13 @@ class TrajectoryRing:
         """numpy views ``[n, *field.shape]`` (contiguous) of the next ``n`` free rows; ``n <= room()``. Fill them and
         :meth:`commit`, or leave them (a rejected message): the next call returns the same rows."""
         r = self._row
-        return {name: a[r:r + n] for name, a in self._views[self._filling].items()}
+        return {name: a[r : r + n] for name, a in self._views[self._filling].items()}
 
     def commit(self, n: int, policy_version: int, arrival_ns: int) -> None:
         """The ``n`` rows returned by :meth:`rows` now hold valid trajectories."""
         k, r = self._filling, self._row
-        self._versions[k, r:r + n] = policy_version
-        self._arrival_ns[k, r:r + n] = arrival_ns
+        self._versions[k, r : r + n] = policy_version
+        self._arrival_ns[k, r : r + n] = arrival_ns
         self._row = r + n
         if self._row < self.batch_size:
             return
@@ -121,8 +132,12 @@ class TrajectoryRing:
                         self.dropped_stale += self.batch_size
                         self._return_slot(k)
                         continue
-                    return Batch(k, {name: t[k] for name, t in self.tensors.items()},
-                                 self._versions[k].copy(), self._arrival_ns[k].copy())
+                    return Batch(
+                        k,
+                        {name: t[k] for name, t in self.tensors.items()},
+                        self._versions[k].copy(),
+                        self._arrival_ns[k].copy(),
+                    )
                 if self._closed or not self._cond.wait(timeout_s):
                     return None
 

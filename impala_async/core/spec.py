@@ -78,10 +78,16 @@ class TrajectorySpec:
             raise ValueError(f"obs_shape must have positive dimensions, got {self.obs_shape}")
         if self.core_state_size < 0:
             raise ValueError(f"core_state_size must be >= 0, got {self.core_state_size}")
-        if self.frame_stack and not (self.frame_stack >= 2 and self.obs_dtype == "uint8" and len(self.obs_shape) == 3
-                                     and self.obs_shape[0] == self.frame_stack):
-            raise ValueError(f"frame_stack={self.frame_stack} needs uint8 observations [frame_stack, H, W] with "
-                             f"frame_stack >= 2, got {self.obs_dtype} {self.obs_shape}")
+        if self.frame_stack and not (
+            self.frame_stack >= 2
+            and self.obs_dtype == "uint8"
+            and len(self.obs_shape) == 3
+            and self.obs_shape[0] == self.frame_stack
+        ):
+            raise ValueError(
+                f"frame_stack={self.frame_stack} needs uint8 observations [frame_stack, H, W] with "
+                f"frame_stack >= 2, got {self.obs_dtype} {self.obs_shape}"
+            )
 
     @cached_property
     def fields(self) -> tuple[FieldSpec, ...]:
@@ -89,8 +95,11 @@ class TrajectorySpec:
         obs_check = CHECK_FINITE if self.obs_dtype == "float32" else CHECK_NONE
         le = np.dtype(self.obs_dtype).newbyteorder("<")
         S = self.frame_stack
-        first = (FieldSpec("frames", le, (T + S, *self.obs_shape[1:]), CHECK_NONE) if S else
-                 FieldSpec("obs", le, (T + 1, *self.obs_shape), obs_check))
+        first = (
+            FieldSpec("frames", le, (T + S, *self.obs_shape[1:]), CHECK_NONE)
+            if S
+            else FieldSpec("obs", le, (T + 1, *self.obs_shape), obs_check)
+        )
         return (
             first,
             FieldSpec("action", np.dtype("<i4"), (T,), CHECK_ACTION),
@@ -99,8 +108,11 @@ class TrajectorySpec:
             FieldSpec("truncated", np.dtype("u1"), (T,), CHECK_FLAG),
             FieldSpec("truncation_value", np.dtype("<f4"), (T,), CHECK_FINITE),
             FieldSpec("behaviour_logits", np.dtype("<f4"), (T, A), CHECK_FINITE),
-        ) + ((FieldSpec("core_state", np.dtype("<f4"), (2, self.core_state_size), CHECK_FINITE),)
-             if self.core_state_size else ())
+        ) + (
+            (FieldSpec("core_state", np.dtype("<f4"), (2, self.core_state_size), CHECK_FINITE),)
+            if self.core_state_size
+            else ()
+        )
 
     @cached_property
     def field_map(self) -> dict[str, FieldSpec]:
@@ -111,24 +123,41 @@ class TrajectorySpec:
         return sum(f.nbytes for f in self.fields)
 
     def to_dict(self) -> dict:
-        return {"obs_shape": list(self.obs_shape), "obs_dtype": self.obs_dtype,
-                "num_actions": self.num_actions, "unroll_length": self.unroll_length, "frame_stack": self.frame_stack,
-                "core_state_size": self.core_state_size}
+        return {
+            "obs_shape": list(self.obs_shape),
+            "obs_dtype": self.obs_dtype,
+            "num_actions": self.num_actions,
+            "unroll_length": self.unroll_length,
+            "frame_stack": self.frame_stack,
+            "core_state_size": self.core_state_size,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> TrajectorySpec:
-        return cls(obs_shape=tuple(int(x) for x in d["obs_shape"]), obs_dtype=str(d["obs_dtype"]),
-                   num_actions=int(d["num_actions"]), unroll_length=int(d["unroll_length"]),
-                   frame_stack=int(d.get("frame_stack", 0)), core_state_size=int(d.get("core_state_size", 0)))
+        return cls(
+            obs_shape=tuple(int(x) for x in d["obs_shape"]),
+            obs_dtype=str(d["obs_dtype"]),
+            num_actions=int(d["num_actions"]),
+            unroll_length=int(d["unroll_length"]),
+            frame_stack=int(d.get("frame_stack", 0)),
+            core_state_size=int(d.get("core_state_size", 0)),
+        )
 
     @classmethod
-    def from_spaces(cls, observation_space, action_space, unroll_length: int, frame_stack: int = 0,
-                    core_state_size: int = 0) -> TrajectorySpec:
+    def from_spaces(
+        cls, observation_space, action_space, unroll_length: int, frame_stack: int = 0, core_state_size: int = 0
+    ) -> TrajectorySpec:
         """From gymnasium spaces: a Box observation (float or uint8) and a Discrete action space."""
         n = getattr(action_space, "n", None)
         if n is None:
             raise ValueError(f"only Discrete action spaces are supported, got {action_space}")
         dtype = np.dtype(observation_space.dtype)
         obs_dtype = "uint8" if dtype == np.uint8 else "float32"
-        return cls(obs_shape=tuple(observation_space.shape), obs_dtype=obs_dtype, num_actions=int(n),
-                   unroll_length=unroll_length, frame_stack=frame_stack, core_state_size=core_state_size)
+        return cls(
+            obs_shape=tuple(observation_space.shape),
+            obs_dtype=obs_dtype,
+            num_actions=int(n),
+            unroll_length=unroll_length,
+            frame_stack=frame_stack,
+            core_state_size=core_state_size,
+        )

@@ -79,11 +79,13 @@ def from_importance_weights(
         if t.shape != log_rhos.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(log_rhos.shape)} like log_rhos")
     if bootstrap_value.shape != log_rhos.shape[1:]:
-        raise ValueError(f"bootstrap_value has shape {tuple(bootstrap_value.shape)}, "
-                         f"expected {tuple(log_rhos.shape[1:])}")
+        raise ValueError(
+            f"bootstrap_value has shape {tuple(bootstrap_value.shape)}, expected {tuple(log_rhos.shape[1:])}"
+        )
     with torch.autocast(device_type=log_rhos.device.type, enabled=False):
         log_rhos, discounts, rewards, values, bootstrap_value = (
-            t.float() for t in (log_rhos, discounts, rewards, values, bootstrap_value))
+            t.float() for t in (log_rhos, discounts, rewards, values, bootstrap_value)
+        )
         rhos = torch.exp(log_rhos)
         clipped_rhos = _clip(rhos, clip_rho_threshold)
         cs = lambda_ * _clip(rhos, clip_c_threshold)
@@ -130,9 +132,20 @@ def from_logits(
         behaviour_action_log_probs = action_log_probs(behaviour_policy_logits, actions)
         log_rhos = target_action_log_probs.detach() - behaviour_action_log_probs
     vtrace = from_importance_weights(
-        log_rhos=log_rhos, discounts=discounts, rewards=rewards, values=values, bootstrap_value=bootstrap_value,
-        clip_rho_threshold=clip_rho_threshold, clip_pg_rho_threshold=clip_pg_rho_threshold,
-        clip_c_threshold=clip_c_threshold, lambda_=lambda_)
+        log_rhos=log_rhos,
+        discounts=discounts,
+        rewards=rewards,
+        values=values,
+        bootstrap_value=bootstrap_value,
+        clip_rho_threshold=clip_rho_threshold,
+        clip_pg_rho_threshold=clip_pg_rho_threshold,
+        clip_c_threshold=clip_c_threshold,
+        lambda_=lambda_,
+    )
     return VTraceFromLogitsReturns(
-        vs=vtrace.vs, pg_advantages=vtrace.pg_advantages, log_rhos=log_rhos,
-        behaviour_action_log_probs=behaviour_action_log_probs, target_action_log_probs=target_action_log_probs)
+        vs=vtrace.vs,
+        pg_advantages=vtrace.pg_advantages,
+        log_rhos=log_rhos,
+        behaviour_action_log_probs=behaviour_action_log_probs,
+        target_action_log_probs=target_action_log_probs,
+    )

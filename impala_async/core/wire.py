@@ -113,18 +113,29 @@ def _compress(a: np.ndarray, codec: str, jpeg_quality: int) -> bytes:
     return a.tobytes()
 
 
-def encode_trajectories(spec: TrajectorySpec, *, actor_id: str, seq: int, policy_version: int, incarnation: int,
-                        arrays: dict[str, np.ndarray], episodes=(), codec: str = CODEC_LZ4,
-                        sent_at_ns: int | None = None, image_codec: str = "",
-                        jpeg_quality: int = codecs.DEFAULT_QUALITY) -> bytes:
+def encode_trajectories(
+    spec: TrajectorySpec,
+    *,
+    actor_id: str,
+    seq: int,
+    policy_version: int,
+    incarnation: int,
+    arrays: dict[str, np.ndarray],
+    episodes=(),
+    codec: str = CODEC_LZ4,
+    sent_at_ns: int | None = None,
+    image_codec: str = "",
+    jpeg_quality: int = codecs.DEFAULT_QUALITY,
+) -> bytes:
     """Encode ``n`` trajectories; ``arrays[name]`` is ``[n, *field.shape]`` for every field of ``spec``.
     Each field travels as one payload holding all ``n`` trajectories (trajectory-major). ``policy_version`` and
     ``incarnation`` are those of the weights message whose policy chose the actions. ``image_codec`` (one of
     ALL_CODECS; "": ``codec``) encodes the uint8 image field (``obs`` or ``frames``, see codecs.image_geometry), if
     the spec has one; every other field travels with ``codec``."""
     if codec not in CODECS or image_codec not in ("", *ALL_CODECS):
-        raise ValueError(f"codec must be one of {CODECS} and image_codec one of {ALL_CODECS}, got {codec!r}, "
-                         f"{image_codec!r}")
+        raise ValueError(
+            f"codec must be one of {CODECS} and image_codec one of {ALL_CODECS}, got {codec!r}, {image_codec!r}"
+        )
     n = len(arrays[spec.fields[0].name])
     fields = {}
     for f in spec.fields:
@@ -132,11 +143,23 @@ def encode_trajectories(spec: TrajectorySpec, *, actor_id: str, seq: int, policy
         if a.shape != (n, *f.shape):
             raise ValueError(f"field {f.name!r}: shape {a.shape}, expected {(n, *f.shape)}")
         c = image_codec if image_codec and codecs.image_geometry(f) else codec
-        fields[f.name] = {"dtype": f.wire_dtype, "shape": list(f.shape), "codec": c,
-                          "data": _compress(a, c, jpeg_quality)}
-    msg = {"v": PROTOCOL_VERSION, "type": TYPE_TRAJECTORIES, "actor": actor_id, "seq": seq,
-           "policy_version": policy_version, "incarnation": incarnation, "n": n,
-           "episodes": [[float(r), int(length)] for r, length in episodes], "fields": fields}
+        fields[f.name] = {
+            "dtype": f.wire_dtype,
+            "shape": list(f.shape),
+            "codec": c,
+            "data": _compress(a, c, jpeg_quality),
+        }
+    msg = {
+        "v": PROTOCOL_VERSION,
+        "type": TYPE_TRAJECTORIES,
+        "actor": actor_id,
+        "seq": seq,
+        "policy_version": policy_version,
+        "incarnation": incarnation,
+        "n": n,
+        "episodes": [[float(r), int(length)] for r, length in episodes],
+        "fields": fields,
+    }
     if sent_at_ns is not None:
         msg["sent_at_ns"] = int(sent_at_ns)
     return msgpack.packb(msg, use_bin_type=True)
@@ -160,22 +183,41 @@ class TrajectoryDecoder:
         self._fields = spec.fields
         self._expected = {f.name.encode(): (f.name, f.wire_dtype.encode(), f.shape) for f in self._fields}
         # decode_into's per-field plan: (name, bytes per trajectory, check, its argument).
-        self._plan = [(f.name, f.nbytes, f.check, spec.num_actions if f.check == CHECK_ACTION else None)
-                      for f in self._fields]
+        self._plan = [
+            (f.name, f.nbytes, f.check, spec.num_actions if f.check == CHECK_ACTION else None) for f in self._fields
+        ]
         self._nbytes = {f.name: f.nbytes for f in self._fields}
         self._images = {f.name: codecs.image_geometry(f) for f in self._fields}  # (planes, H, W) or None
         # The top-level keys and their readers (each checks type and range, raising Rejected).
-        self._readers = {b"v": self._read_v, b"type": self._read_type, b"actor": self._read_actor,
-                         b"seq": self._read_uint63, b"policy_version": self._read_uint63,
-                         b"incarnation": self._read_incarnation, b"n": self._read_uint63,
-                         b"episodes": self._read_episodes, b"fields": self._read_fields,
-                         b"sent_at_ns": self._read_sent_at}
+        self._readers = {
+            b"v": self._read_v,
+            b"type": self._read_type,
+            b"actor": self._read_actor,
+            b"seq": self._read_uint63,
+            b"policy_version": self._read_uint63,
+            b"incarnation": self._read_incarnation,
+            b"n": self._read_uint63,
+            b"episodes": self._read_episodes,
+            b"fields": self._read_fields,
+            b"sent_at_ns": self._read_sent_at,
+        }
         # The bytes of each field's key and its entry up to the payload, as msgpack writes the canonical order
         # (dtype, shape, codec, data): most messages take this fast path; any other order takes the general one.
-        self._prefixes = [(f.name, tuple(
-            msgpack.packb(f.name) + b"\x84" + b"".join(msgpack.packb(x) for x in (
-                "dtype", f.wire_dtype, "shape", list(f.shape), "codec", codec, "data"))
-            for codec in (CODEC_LZ4, CODEC_NONE, CODEC_JPEG))) for f in self._fields]
+        self._prefixes = [
+            (
+                f.name,
+                tuple(
+                    msgpack.packb(f.name)
+                    + b"\x84"
+                    + b"".join(
+                        msgpack.packb(x)
+                        for x in ("dtype", f.wire_dtype, "shape", list(f.shape), "codec", codec, "data")
+                    )
+                    for codec in (CODEC_LZ4, CODEC_NONE, CODEC_JPEG)
+                ),
+            )
+            for f in self._fields
+        ]
 
     def parse(self, buf) -> TrajectoryMessage:
         """Check everything but the payloads' contents. Raises :class:`Rejected`."""
@@ -208,8 +250,16 @@ class TrajectoryDecoder:
             elif len(data) < 5 or int.from_bytes(data[:4], "little") != nbytes:
                 claimed = int.from_bytes(data[:4], "little") if len(data) >= 4 else None
                 raise Rejected("bad_size", f"field {name!r}: LZ4 header claims {claimed} bytes, spec says {nbytes}")
-        return TrajectoryMessage(head[b"actor"], head[b"seq"], head[b"policy_version"], head[b"incarnation"], n,
-                                 head[b"episodes"], fields, head.get(b"sent_at_ns"))
+        return TrajectoryMessage(
+            head[b"actor"],
+            head[b"seq"],
+            head[b"policy_version"],
+            head[b"incarnation"],
+            n,
+            head[b"episodes"],
+            fields,
+            head.get(b"sent_at_ns"),
+        )
 
     def _read_top(self, r: mpack.Reader) -> dict:
         """The top-level map, as {key bytes: checked value}; every key known, none twice."""
@@ -228,8 +278,10 @@ class TrajectoryDecoder:
                 raise Rejected("malformed", f"a map key: {e}") from None
             read = readers.get(key)
             if read is None:
-                raise Rejected("bad_header", f"unknown key {short_repr(key.decode('utf-8', 'replace'))} (protocol "
-                                             f"{PROTOCOL_VERSION} is closed)")
+                raise Rejected(
+                    "bad_header",
+                    f"unknown key {short_repr(key.decode('utf-8', 'replace'))} (protocol {PROTOCOL_VERSION} is closed)",
+                )
             if key in head:
                 raise Rejected("bad_header", f"key {short_repr(key.decode())} twice")
             try:
@@ -288,17 +340,26 @@ class TrajectoryDecoder:
         max_return, max_length = lim.max_abs_episode_return, lim.max_episode_length_steps
         for ret, length in episodes:
             if not (-max_return <= ret <= max_return and 1 <= length <= max_length):  # NaN fails every comparison
-                raise Rejected("bad_header", f"episode [{short_repr(ret)}, {length}]: the return must be finite and "
-                                             f"within +-{max_return:g}, the length in [1, {max_length}]")
+                raise Rejected(
+                    "bad_header",
+                    f"episode [{short_repr(ret)}, {length}]: the return must be finite and "
+                    f"within +-{max_return:g}, the length in [1, {max_length}]",
+                )
         return episodes
 
     def _read_fields(self, r: mpack.Reader, key: bytes = b"fields") -> dict:
         count = r.map_header()
         if count != len(self._expected):
-            hint = (f" (this learner's network has an LSTM core: core_state, the [2, {self.spec.core_state_size}] "
-                    f"state the unroll began with, is required)" if self.spec.core_state_size else "")
-            raise Rejected("bad_field", f"{count} fields, the spec has {len(self._expected)}: "
-                                        f"{sorted(f.name for f in self._fields)}{hint}")
+            hint = (
+                f" (this learner's network has an LSTM core: core_state, the [2, {self.spec.core_state_size}] "
+                f"state the unroll began with, is required)"
+                if self.spec.core_state_size
+                else ""
+            )
+            raise Rejected(
+                "bad_field",
+                f"{count} fields, the spec has {len(self._expected)}: {sorted(f.name for f in self._fields)}{hint}",
+            )
         out = {}
         for name, (lz4_prefix, none_prefix, jpeg_prefix) in self._prefixes:  # fast path: spec order, canonical
             if r.skip_prefix(lz4_prefix):
@@ -312,8 +373,11 @@ class TrajectoryDecoder:
         for _ in range(count - len(out)):
             raw = r.raw_str(_MAX_KEY_BYTES)
             if raw not in self._expected or self._expected[raw][0] in out:
-                raise Rejected("bad_field", f"field {short_repr(raw.decode('utf-8', 'replace'))} unknown or "
-                                            f"repeated; expected {sorted(f.name for f in self._fields)}")
+                raise Rejected(
+                    "bad_field",
+                    f"field {short_repr(raw.decode('utf-8', 'replace'))} unknown or "
+                    f"repeated; expected {sorted(f.name for f in self._fields)}",
+                )
             name, dtype, shape = self._expected[raw]
             if r.map_header() != 4:
                 raise Rejected("bad_field", f"field {name!r} must be a map with keys dtype, shape, codec, data")
@@ -332,12 +396,14 @@ class TrajectoryDecoder:
                 else:
                     entry[k] = r.raw_str(_MAX_KEY_BYTES)
             if entry[b"dtype"] != dtype or entry[b"shape"] != shape:
-                raise Rejected("bad_field", f"field {name!r}: dtype {short_repr(entry[b'dtype'])} shape "
-                                            f"{list(entry[b'shape'])}, expected {dtype.decode()!r} {list(shape)}")
+                raise Rejected(
+                    "bad_field",
+                    f"field {name!r}: dtype {short_repr(entry[b'dtype'])} shape "
+                    f"{list(entry[b'shape'])}, expected {dtype.decode()!r} {list(shape)}",
+                )
             codec = _CODECS_RAW.get(entry[b"codec"])
             if codec is None:
-                raise Rejected("bad_field", f"field {name!r}: codec {short_repr(entry[b'codec'])} not in "
-                                            f"{ALL_CODECS}")
+                raise Rejected("bad_field", f"field {name!r}: codec {short_repr(entry[b'codec'])} not in {ALL_CODECS}")
             out[name] = (codec, entry[b"data"])
         return out
 
@@ -356,8 +422,9 @@ class TrajectoryDecoder:
                 except Exception as e:  # cramjam.DecompressionError on corrupt or oversized blocks
                     raise Rejected("bad_lz4", f"field {name!r}: {e}") from None
                 if written != out.nbytes:
-                    raise Rejected("bad_lz4", f"field {name!r}: decompressed to {written} bytes, "
-                                              f"spec says {out.nbytes}")
+                    raise Rejected(
+                        "bad_lz4", f"field {name!r}: decompressed to {written} bytes, spec says {out.nbytes}"
+                    )
             elif codec == CODEC_JPEG:  # parse() checked every piece's dimensions against the spec
                 _jpeg(name, codecs.decode_jpeg_into, data, out, *self._images[name][1:])
             else:
@@ -366,7 +433,7 @@ class TrajectoryDecoder:
             if check == CHECK_FINITE:
                 flat = out.reshape(-1)
                 for i in range(0, flat.size, FINITE_CHUNK):
-                    if not _ISFINITE(flat[i:i + FINITE_CHUNK]).all():
+                    if not _ISFINITE(flat[i : i + FINITE_CHUNK]).all():
                         raise Rejected("nonfinite", f"field {name!r} holds NaN or infinity")
             elif check == CHECK_ACTION:
                 if _MAX_U32(out.reshape(-1).view(np.uint32)) >= aux:  # a negative int32 is a huge uint32
@@ -416,8 +483,14 @@ def new_incarnation() -> int:
     return secrets.randbelow(_MAX_UINT63) + 1
 
 
-def encode_weights(version: int, tensors: dict[str, np.ndarray], run_info: dict, incarnation: int,
-                   difficulty: float | None = None, pace_s_per_trajectory: float = 0.0) -> bytes:
+def encode_weights(
+    version: int,
+    tensors: dict[str, np.ndarray],
+    run_info: dict,
+    incarnation: int,
+    difficulty: float | None = None,
+    pace_s_per_trajectory: float = 0.0,
+) -> bytes:
     """``tensors``: name -> array (as in a model's state_dict), sent uncompressed, little-endian. ``difficulty``: the
     curriculum's value, written after ``incarnation`` (left out when None); ``pace_s_per_trajectory``: the flow
     control's pace (learner/pacing.py), written next (left out when 0)."""
@@ -467,8 +540,9 @@ def decode_weights(buf, max_message_bytes: int) -> WeightsMessage:
         raise Rejected("malformed", f"{type(e).__name__}: {e}") from None
     if type(msg) is not dict or msg.get("v") != PROTOCOL_VERSION:
         version = msg.get("v") if type(msg) is dict else None
-        raise Rejected("bad_version", f"weights of protocol version {short_repr(version)}; this actor speaks "
-                                      f"{PROTOCOL_VERSION}")
+        raise Rejected(
+            "bad_version", f"weights of protocol version {short_repr(version)}; this actor speaks {PROTOCOL_VERSION}"
+        )
     if msg.get("type") != TYPE_WEIGHTS:
         raise Rejected("bad_type", f"message type {short_repr(msg.get('type'))}")
     try:

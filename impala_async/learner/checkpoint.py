@@ -85,12 +85,12 @@ class CheckpointWriter:
         if final not in self._known:
             self._known.append(final)
         self._known.sort()
-        for old in self._known[:-self.keep]:
+        for old in self._known[: -self.keep]:
             try:
                 os.unlink(old.name, dir_fd=self._dir_fd)
             except FileNotFoundError:
                 pass
-        del self._known[:-self.keep]
+        del self._known[: -self.keep]
         try:
             self._prepare()
         except OSError as e:  # no descriptor now: the next save tries again
@@ -164,8 +164,13 @@ def load(path: Path, max_bytes: int, map_location="cpu") -> dict:
     return state
 
 
-def load_latest(directory: Path, max_bytes: int = 4 << 30, validate: Callable[[dict], None] | None = None,
-                map_location="cpu", quarantine: bool = False) -> tuple[dict, Path] | None:
+def load_latest(
+    directory: Path,
+    max_bytes: int = 4 << 30,
+    validate: Callable[[dict], None] | None = None,
+    map_location="cpu",
+    quarantine: bool = False,
+) -> tuple[dict, Path] | None:
     """Newest checkpoint that passes the archive checks, loads and ``validate``s (which raises to refuse it); the
     others are skipped with a warning. None if there is none.
 
@@ -187,8 +192,18 @@ def load_latest(directory: Path, max_bytes: int = 4 << 30, validate: Callable[[d
 
 
 # What the learner server writes (LearnerServer.checkpoint_state): key -> accepted types.
-_LEARNER_STATE = {"learner": dict, "policy_version": int, "env_steps": int, "episodes": int, "returns": list,
-                  "lengths": list, "wall_s": (float, int), "config": dict, "spec": dict, "torch_rng": torch.Tensor}
+_LEARNER_STATE = {
+    "learner": dict,
+    "policy_version": int,
+    "env_steps": int,
+    "episodes": int,
+    "returns": list,
+    "lengths": list,
+    "wall_s": (float, int),
+    "config": dict,
+    "spec": dict,
+    "torch_rng": torch.Tensor,
+}
 _LEARNER_INNER = {"model": dict, "optimizer": dict, "env_steps_trained": int, "updates": int}
 
 
@@ -259,8 +274,13 @@ class Checkpointing:
             return self.save_checkpoint()
         except Exception as e:
             self.checkpoint_failures += 1
-            log.error("checkpoint failed (%d so far; retrying in %g s, training goes on): %s: %s",
-                      self.checkpoint_failures, self.cfg.checkpoints.checkpoint_retry_interval_s, type(e).__name__, e)
+            log.error(
+                "checkpoint failed (%d so far; retrying in %g s, training goes on): %s: %s",
+                self.checkpoint_failures,
+                self.cfg.checkpoints.checkpoint_retry_interval_s,
+                type(e).__name__,
+                e,
+            )
             return None
 
     def _final_checkpoint(self, attempts: int = 3) -> Path | None:

@@ -36,8 +36,21 @@ log = logging.getLogger("impala_async.learner.evaluate")
 VIDEO_EXTRA = "pip install 'impala-async[video]'"
 MIN_VIDEO_SIDE = 256  # smaller frames are scaled up by a whole factor (nearest neighbour) to at least this
 # Colours of observation planes [C, H, W] that are no frame stack (MinAtar's objects): one per channel, cycled.
-PLANE_COLOURS = np.array([[230, 25, 75], [60, 180, 75], [255, 225, 25], [0, 130, 200], [245, 130, 48],
-                          [145, 30, 180], [70, 240, 240], [240, 50, 230], [210, 245, 60], [250, 190, 212]], np.uint8)
+PLANE_COLOURS = np.array(
+    [
+        [230, 25, 75],
+        [60, 180, 75],
+        [255, 225, 25],
+        [0, 130, 200],
+        [245, 130, 48],
+        [145, 30, 180],
+        [70, 240, 240],
+        [240, 50, 230],
+        [210, 245, 60],
+        [250, 190, 212],
+    ],
+    np.uint8,
+)
 
 
 class EvalError(Exception):
@@ -103,8 +116,9 @@ def build_network(cfg: LearnerConfig, spec: TrajectorySpec, weights: dict) -> to
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:
-        raise EvalError(f"the checkpoint's weights do not fit the network its configuration describes: "
-                        f"{str(e)[:300]}") from None
+        raise EvalError(
+            f"the checkpoint's weights do not fit the network its configuration describes: {str(e)[:300]}"
+        ) from None
     return model.eval()
 
 
@@ -166,8 +180,10 @@ def frame_from_obs(obs: np.ndarray, stacked: bool) -> np.ndarray:
     ``[3, H, W]`` RGB, and other ``[C, H, W]`` are painted as planes."""
     obs = np.asarray(obs)
     if obs.dtype != np.uint8 or obs.ndim not in (2, 3):
-        raise EvalError(f"observations {obs.dtype} {list(obs.shape)} are no image and the environment renders no "
-                        f"rgb_array frames: no video")
+        raise EvalError(
+            f"observations {obs.dtype} {list(obs.shape)} are no image and the environment renders no "
+            f"rgb_array frames: no video"
+        )
     planes = obs.ndim == 3 and not stacked and obs.max(initial=0) <= 1
     if not planes and (obs.ndim == 2 or stacked or obs.shape[0] == 1):
         grey = obs if obs.ndim == 2 else obs[-1]
@@ -198,6 +214,7 @@ class VideoWriter:
         self.imageio, self.fps, self.max_frames = imageio, fps, max_frames
         try:
             import imageio_ffmpeg
+
             imageio_ffmpeg.get_ffmpeg_exe()
             self.format = "mp4"
         except (ImportError, RuntimeError):
@@ -209,8 +226,15 @@ class VideoWriter:
     def open(self, episode: int) -> None:
         self.path = self.directory / f"episode-{episode:03d}.{self.format}"
         if self.format == "mp4":
-            self._writer = self.imageio.get_writer(self.path, format="FFMPEG", mode="I", fps=self.fps,
-                                                   codec="libx264", macro_block_size=1, ffmpeg_log_level="error")
+            self._writer = self.imageio.get_writer(
+                self.path,
+                format="FFMPEG",
+                mode="I",
+                fps=self.fps,
+                codec="libx264",
+                macro_block_size=1,
+                ffmpeg_log_level="error",
+            )
         else:
             self._writer = self.imageio.get_writer(self.path, mode="I", duration=1000 / self.fps, loop=0)
         self.frames = 0
@@ -260,24 +284,40 @@ class Report:
     def summary(self) -> dict:
         r = np.array([e.ret for e in self.episodes])
         n = np.array([e.length for e in self.episodes])
-        return {"checkpoint": self.checkpoint, "env": self.env, "env_steps_trained": self.env_steps_trained,
-                "policy_version": self.policy_version, "greedy": self.greedy, "seed": self.seed,
-                "episodes": len(self.episodes), "return_mean": float(r.mean()), "return_std": float(r.std()),
-                "return_min": float(r.min()), "return_max": float(r.max()), "length_mean": float(n.mean()),
-                "length_std": float(n.std()), "returns": r.tolist(), "lengths": n.tolist(),
-                "ends": [e.end for e in self.episodes], "cut": sum(e.end == "max_steps" for e in self.episodes),
-                "video_format": self.video_format or None,
-                "videos": [{"episode": i, "path": e.video, "frames": e.frames}
-                           for i, e in enumerate(self.episodes) if e.video],
-                "seconds": round(self.seconds, 3)}
+        return {
+            "checkpoint": self.checkpoint,
+            "env": self.env,
+            "env_steps_trained": self.env_steps_trained,
+            "policy_version": self.policy_version,
+            "greedy": self.greedy,
+            "seed": self.seed,
+            "episodes": len(self.episodes),
+            "return_mean": float(r.mean()),
+            "return_std": float(r.std()),
+            "return_min": float(r.min()),
+            "return_max": float(r.max()),
+            "length_mean": float(n.mean()),
+            "length_std": float(n.std()),
+            "returns": r.tolist(),
+            "lengths": n.tolist(),
+            "ends": [e.end for e in self.episodes],
+            "cut": sum(e.end == "max_steps" for e in self.episodes),
+            "video_format": self.video_format or None,
+            "videos": [
+                {"episode": i, "path": e.video, "frames": e.frames} for i, e in enumerate(self.episodes) if e.video
+            ],
+            "seconds": round(self.seconds, 3),
+        }
 
     def line(self) -> str:
         s = self.summary()
         mode = "greedy" if self.greedy else "sampled"
-        text = (f"{self.env} after {self.env_steps_trained:,} env steps trained ({Path(self.checkpoint).name}), "
-                f"{s['episodes']} episodes, {mode}, seed {self.seed}: return mean {s['return_mean']:.2f} "
-                f"std {s['return_std']:.2f} (min {s['return_min']:g}, max {s['return_max']:g}); "
-                f"length mean {s['length_mean']:.1f} std {s['length_std']:.1f}")
+        text = (
+            f"{self.env} after {self.env_steps_trained:,} env steps trained ({Path(self.checkpoint).name}), "
+            f"{s['episodes']} episodes, {mode}, seed {self.seed}: return mean {s['return_mean']:.2f} "
+            f"std {s['return_std']:.2f} (min {s['return_min']:g}, max {s['return_max']:g}); "
+            f"length mean {s['length_mean']:.1f} std {s['length_std']:.1f}"
+        )
         if s["cut"]:
             text += f"; {s['cut']} cut at --max-episode-steps"
         return text
@@ -295,13 +335,22 @@ def evaluate(opts: EvalOptions, progress=None) -> Report:
     try:
         got = TrajectorySpec.from_spaces(env.observation_space, env.action_space, spec.unroll_length)
         if (got.obs_shape, got.obs_dtype, got.num_actions) != (spec.obs_shape, spec.obs_dtype, spec.num_actions):
-            raise EvalError(f"{cfg.env.env} now has observations {got.obs_dtype} {list(got.obs_shape)} and "
-                            f"{got.num_actions} actions; the checkpoint was trained on {spec.obs_dtype} "
-                            f"{list(spec.obs_shape)} and {spec.num_actions}")
+            raise EvalError(
+                f"{cfg.env.env} now has observations {got.obs_dtype} {list(got.obs_shape)} and "
+                f"{got.num_actions} actions; the checkpoint was trained on {spec.obs_dtype} "
+                f"{list(spec.obs_shape)} and {spec.num_actions}"
+            )
         stacked = frame_stack_of(env) > 0
         policy = Policy(model, spec, opts.greedy, np.random.default_rng(opts.seed))
-        report = Report(str(path), cfg.env.env, int(state["learner"]["env_steps_trained"]), int(state["policy_version"]),
-                        opts.greedy, opts.seed, video_format=writer.format if writer else "")
+        report = Report(
+            str(path),
+            cfg.env.env,
+            int(state["learner"]["env_steps_trained"]),
+            int(state["policy_version"]),
+            opts.greedy,
+            opts.seed,
+            video_format=writer.format if writer else "",
+        )
         recorded = opts.video_episodes or opts.episodes
 
         def record(obs: np.ndarray) -> None:
@@ -313,8 +362,9 @@ def evaluate(opts: EvalOptions, progress=None) -> Report:
             if filmed:
                 writer.open(i)
             try:
-                episode = play_episode(env, policy, opts.max_episode_steps, opts.seed if i == 0 else None,
-                                       record if filmed else None)
+                episode = play_episode(
+                    env, policy, opts.max_episode_steps, opts.seed if i == 0 else None, record if filmed else None
+                )
             finally:
                 if filmed:
                     video, frames = writer.close()
@@ -333,8 +383,9 @@ def _render(env, env_id: str) -> np.ndarray:
     try:
         frame = env.render()
     except Exception as e:  # pygame missing (CartPole) and the like
-        raise EvalError(f"--video: {env_id} cannot render ({type(e).__name__}: {str(e)[:200]}): {VIDEO_EXTRA}") \
-            from None
+        raise EvalError(
+            f"--video: {env_id} cannot render ({type(e).__name__}: {str(e)[:200]}): {VIDEO_EXTRA}"
+        ) from None
     if not isinstance(frame, np.ndarray) or frame.ndim != 3 or frame.shape[2] not in (3, 4):
         raise EvalError(f"--video: {env_id}'s render() gave no [H, W, 3] frame")
     return rgb8(frame)
@@ -354,6 +405,7 @@ def rgb8(frame: np.ndarray) -> np.ndarray:
 
 def main(opts: EvalOptions, as_json: bool = False) -> int:
     """The ``eval`` command: per-episode lines and a summary line, or one JSON object with ``as_json``."""
+
     def progress(i, e):
         video = f", video {e.video} ({e.frames} frames)" if e.video else ""
         print(f"episode {i + 1}/{opts.episodes}: return {e.ret:.6g}, length {e.length} ({e.end}){video}", flush=True)
@@ -363,8 +415,7 @@ def main(opts: EvalOptions, as_json: bool = False) -> int:
         print(json.dumps(report.summary()))
         return 0
     if report.video_format:
-        how = ("MP4 (ffmpeg)" if report.video_format == "mp4" else
-               f"GIF (ffmpeg not found; {VIDEO_EXTRA} for MP4)")
+        how = "MP4 (ffmpeg)" if report.video_format == "mp4" else f"GIF (ffmpeg not found; {VIDEO_EXTRA} for MP4)"
         print(f"videos: {sum(bool(e.video) for e in report.episodes)} as {how} in {opts.video}")
     print(report.line())
     return 0

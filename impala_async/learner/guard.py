@@ -111,8 +111,16 @@ class _Conn:
 
 
 class ConnectionGuard:
-    def __init__(self, name: str, sock: zmq.Socket, *, max_connections: int, max_unread_bytes: int,
-                 max_unread_bytes_total: int, max_messages: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        sock: zmq.Socket,
+        *,
+        max_connections: int,
+        max_unread_bytes: int,
+        max_unread_bytes_total: int,
+        max_messages: int | None = None,
+    ):
         self.name = name
         self.max_connections = max_connections
         self.max_unread_bytes = max_unread_bytes
@@ -200,8 +208,14 @@ class ConnectionGuard:
         self.conns.pop(conn.fd, None)
         shut_down(conn.fd)
         if n < 10 or (n & (n - 1)) == 0:  # rate-limited: the first ten, then at powers of two
-            log.warning("%s socket: closed connection %s (%s; %d so far): %s", self.name, conn.peer or f"fd {conn.fd}",
-                        reason, n + 1, _explain(reason, conn, self))
+            log.warning(
+                "%s socket: closed connection %s (%s; %d so far): %s",
+                self.name,
+                conn.peer or f"fd {conn.fd}",
+                reason,
+                n + 1,
+                _explain(reason, conn, self),
+            )
 
 
 def _explain(reason: str, conn: _Conn, g: ConnectionGuard) -> str:
@@ -210,6 +224,8 @@ def _explain(reason: str, conn: _Conn, g: ConnectionGuard) -> str:
     if reason == "unread_bytes":
         return f"it made the learner hold {conn.unread_bytes} unread bytes > {g.max_unread_bytes}"
     if reason == "unread_bytes_total":
-        return (f"all connections held more than {g.max_unread_bytes_total} unread bytes; this one the most "
-                f"({conn.unread_bytes})")
+        return (
+            f"all connections held more than {g.max_unread_bytes_total} unread bytes; this one the most "
+            f"({conn.unread_bytes})"
+        )
     return f"{conn.messages} messages on a connection that may send {g.max_messages}"

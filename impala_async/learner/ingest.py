@@ -51,18 +51,34 @@ class Histogram:
 
 
 class Ingest:
-    def __init__(self, cfg: LearnerConfig, spec: TrajectorySpec, ring: TrajectoryRing,
-                 policy_version: Callable[[], int], incarnation: int, identities: bool = False):
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        spec: TrajectorySpec,
+        ring: TrajectoryRing,
+        policy_version: Callable[[], int],
+        incarnation: int,
+        identities: bool = False,
+    ):
         self.cfg, self.spec, self.ring = cfg, spec, ring
         self._policy_version = policy_version
         self.incarnation = incarnation  # this learner run's; messages acted under an earlier run's weights carry theirs
         self.identities = identities  # CURVE on: replay state is namespaced by the name of the client's key
-        self.decoder = wire.TrajectoryDecoder(spec, wire.WireLimits(
-            max_message_bytes=cfg.limits.max_message_bytes, max_trajectories_per_message=cfg.limits.max_trajectories_per_message,
-            max_episodes_per_message=cfg.limits.max_episodes_per_message, max_actor_id_bytes=cfg.limits.max_actor_id_bytes,
-            max_abs_episode_return=cfg.limits.max_abs_episode_return, max_episode_length_steps=cfg.limits.max_episode_length_steps))
+        self.decoder = wire.TrajectoryDecoder(
+            spec,
+            wire.WireLimits(
+                max_message_bytes=cfg.limits.max_message_bytes,
+                max_trajectories_per_message=cfg.limits.max_trajectories_per_message,
+                max_episodes_per_message=cfg.limits.max_episodes_per_message,
+                max_actor_id_bytes=cfg.limits.max_actor_id_bytes,
+                max_abs_episode_return=cfg.limits.max_abs_episode_return,
+                max_episode_length_steps=cfg.limits.max_episode_length_steps,
+            ),
+        )
         self.steps_per_trajectory = spec.unroll_length
-        self._scratch = {f.name: np.empty((cfg.limits.max_trajectories_per_message, *f.shape), f.dtype) for f in spec.fields}
+        self._scratch = {
+            f.name: np.empty((cfg.limits.max_trajectories_per_message, *f.shape), f.dtype) for f in spec.fields
+        }
         self.pending: tuple[wire.TrajectoryMessage, int, int] | None = None  # (message in scratch, next row, ns)
         self._last_seq: collections.OrderedDict[str, int] = collections.OrderedDict()
         # Counters.
@@ -189,7 +205,7 @@ class Ingest:
             if m == 0:
                 break
             for name, rows in ring.rows(m).items():
-                np.copyto(rows, self._scratch[name][i:i + m])
+                np.copyto(rows, self._scratch[name][i : i + m])
             ring.commit(m, msg.policy_version, arrival_ns)
             self._accepted(msg, m)
             i += m

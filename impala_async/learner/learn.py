@@ -35,8 +35,9 @@ def model_config(cfg: LearnerConfig) -> ModelConfig:
         return ModelConfig.minatar(input_scale=scale, lstm_size=lstm)
     if cfg.model.model == "deep":
         return ModelConfig.deep(input_scale=scale, lstm_size=lstm)
-    return ModelConfig(hidden_sizes=cfg.model.hidden_size_tuple, activation=cfg.model.activation, input_scale=scale,
-                       lstm_size=lstm)
+    return ModelConfig(
+        hidden_sizes=cfg.model.hidden_size_tuple, activation=cfg.model.activation, input_scale=scale, lstm_size=lstm
+    )
 
 
 def recurrent_inputs(batch: dict[str, torch.Tensor]) -> tuple[tuple, torch.Tensor]:
@@ -69,15 +70,22 @@ class Learner:
         self.device = device
         self.model_config = model_config(cfg).resolved(spec)
         if spec.core_state_size != self.model_config.lstm_size:
-            raise ValueError(f"the trajectory spec carries a core state of {spec.core_state_size} units, the network "
-                             f"has an LSTM core of {self.model_config.lstm_size}")
+            raise ValueError(
+                f"the trajectory spec carries a core state of {spec.core_state_size} units, the network "
+                f"has an LSTM core of {self.model_config.lstm_size}"
+            )
         self.model = build_model(spec, self.model_config).to(device)
         params = self.model.parameters()
         if cfg.loss.optimizer == "adam":
             self.optimizer = torch.optim.Adam(params, lr=cfg.loss.learning_rate, eps=cfg.loss.adam_eps)
         else:
-            self.optimizer = torch.optim.RMSprop(params, lr=cfg.loss.learning_rate, alpha=cfg.loss.rmsprop_alpha,
-                                                 eps=cfg.loss.rmsprop_eps, momentum=cfg.loss.rmsprop_momentum)
+            self.optimizer = torch.optim.RMSprop(
+                params,
+                lr=cfg.loss.learning_rate,
+                alpha=cfg.loss.rmsprop_alpha,
+                eps=cfg.loss.rmsprop_eps,
+                momentum=cfg.loss.rmsprop_momentum,
+            )
         self.env_steps_trained = 0
         self.updates = 0
         self.updates_skipped = 0  # batches whose loss or gradient was not finite
@@ -175,16 +183,24 @@ class Learner:
         discounts = cfg.loss.discount * (1.0 - done)
         # A time-limit cut is not a terminal state: bootstrap from the value the actor computed for the final
         # observation (the next slot already holds the reset observation).
-        rewards = rewards + cfg.loss.discount * truncated * bounded(tm("truncation_value").float(),
-                                                               cfg.loss.max_abs_truncation_value)
+        rewards = rewards + cfg.loss.discount * truncated * bounded(
+            tm("truncation_value").float(), cfg.loss.max_abs_truncation_value
+        )
         behaviour_logits = bounded(tm("behaviour_logits").float(), cfg.loss.max_abs_logit)
 
         vt = vtrace.from_logits(
-            behaviour_policy_logits=behaviour_logits, target_policy_logits=logits[:T], actions=tm("action"),
-            discounts=discounts, rewards=rewards, values=values[:T], bootstrap_value=values[T],
+            behaviour_policy_logits=behaviour_logits,
+            target_policy_logits=logits[:T],
+            actions=tm("action"),
+            discounts=discounts,
+            rewards=rewards,
+            values=values[:T],
+            bootstrap_value=values[T],
             clip_rho_threshold=cfg.loss.threshold(cfg.loss.clip_rho_threshold),
             clip_pg_rho_threshold=cfg.loss.threshold(cfg.loss.clip_pg_rho_threshold),
-            clip_c_threshold=cfg.loss.threshold(cfg.loss.clip_c_threshold), lambda_=cfg.loss.vtrace_lambda)
+            clip_c_threshold=cfg.loss.threshold(cfg.loss.clip_c_threshold),
+            lambda_=cfg.loss.vtrace_lambda,
+        )
         advantages = vt.pg_advantages
         if cfg.loss.normalize_advantages:
             advantages = advantages / (advantages.std() + 1e-8)
@@ -230,12 +246,28 @@ class Learner:
             rhos = vt.log_rhos.exp()
             rho_bar = cfg.loss.clip_rho_threshold if cfg.loss.clip_rho_threshold > 0 else float("inf")
             hist = torch.bincount(torch.bucketize(rhos.flatten(), self._rho_edges), minlength=len(RHO_BIN_EDGES))
-            scalars = torch.stack([pg_loss.detach(), baseline_loss.detach(), entropy.detach(), grad_norm.float(),
-                                   rhos.mean(), (rhos > rho_bar).float().mean(),
-                                   ((rhos < 0.5) | (rhos > 2.0)).float().mean(),  # rho_far_frac: see watch.py
-                                   torch.stack(clipped).sum().float()]).tolist()
-        names = ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "rho_far_frac",
-                 "inputs_clipped")
+            scalars = torch.stack(
+                [
+                    pg_loss.detach(),
+                    baseline_loss.detach(),
+                    entropy.detach(),
+                    grad_norm.float(),
+                    rhos.mean(),
+                    (rhos > rho_bar).float().mean(),
+                    ((rhos < 0.5) | (rhos > 2.0)).float().mean(),  # rho_far_frac: see watch.py
+                    torch.stack(clipped).sum().float(),
+                ]
+            ).tolist()
+        names = (
+            "loss_pg",
+            "loss_baseline",
+            "entropy",
+            "grad_norm",
+            "rho_mean",
+            "rho_clipped_frac",
+            "rho_far_frac",
+            "inputs_clipped",
+        )
         stats = dict(zip(names, scalars, strict=True))
         stats["lr"] = lr
         stats["entropy_cost"] = entropy_cost
@@ -250,8 +282,12 @@ class Learner:
             return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "env_steps_trained": self.env_steps_trained, "updates": self.updates}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "env_steps_trained": self.env_steps_trained,
+            "updates": self.updates,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])

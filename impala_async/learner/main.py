@@ -19,8 +19,9 @@ from . import ranks
 log = logging.getLogger("impala_async.learner.main")
 
 
-def configure(flags: dict, *, file: str = "", resume: str = "", command: dict | None = None,
-              load_checkpoint=None) -> tuple[Layered, dict | None]:
+def configure(
+    flags: dict, *, file: str = "", resume: str = "", command: dict | None = None, load_checkpoint=None
+) -> tuple[Layered, dict | None]:
     """(the configuration's layers, checked; the checkpoint state of a resume, or None). ValueError (a refusal, one
     line) for a bad file or value; SystemExit when a resume finds no usable checkpoint. A learner rank > 0 gets its
     own command line's layers, unchecked and without the resume: it takes rank 0's configuration in :func:`run`.
@@ -34,8 +35,13 @@ def configure(flags: dict, *, file: str = "", resume: str = "", command: dict | 
             raise SystemExit(f"impala-async: no usable checkpoint in {resume} (see the warnings above)")
         state, path = found
         log.info("resuming from %s", path)
-        layered = layers.load(flags=flags, file=file, resumed=state["config"],
-                              resumed_layers=state.get("config_layers"), command={**(command or {}), "logdir": resume})
+        layered = layers.load(
+            flags=flags,
+            file=file,
+            resumed=state["config"],
+            resumed_layers=state.get("config_layers"),
+            command={**(command or {}), "logdir": resume},
+        )
     world = ranks.torchrun_world(layered.cfg.ranks.learner_ranks)
     if world is not None and world != layered.cfg.ranks.learner_ranks:
         layered = layered.over(layers.COMMAND, {"learner_ranks": world})
@@ -50,6 +56,7 @@ def refuse(cfg: LearnerConfig, default_listen: str):
 
     if cfg.observe.tensorboard:
         from . import tboard
+
         if tboard.missing():
             raise ValueError(tboard.missing())
     listen, publish = addresses(cfg, default_listen)
@@ -75,9 +82,12 @@ def probe_environment(cfg: LearnerConfig):
         raise SystemExit(f"impala-async: {e}") from None
     try:
         spec = TrajectorySpec.from_spaces(
-            env.single_observation_space, env.single_action_space, env_cfg.unroll_length,
+            env.single_observation_space,
+            env.single_action_space,
+            env_cfg.unroll_length,
             frame_stack=env.frame_stack if env_cfg.frame_dedup else 0,
-            core_state_size=cfg.model.lstm_size if cfg.model.use_lstm else 0)
+            core_state_size=cfg.model.lstm_size if cfg.model.use_lstm else 0,
+        )
         image_max = float(np.max(env.single_observation_space.high)) if spec.obs_dtype == "uint8" else None
         backend = env.backend
     finally:
@@ -98,8 +108,9 @@ def resolve_device(name: str, flag: str = "--device"):
     return device
 
 
-def run(layered: Layered, resumed: dict | None, *, command: str, default_listen: str, argv=(),
-        start_monotonic: float = 0.0) -> int:
+def run(
+    layered: Layered, resumed: dict | None, *, command: str, default_listen: str, argv=(), start_monotonic: float = 0.0
+) -> int:
     """Serve one learner process until the run ends; its exit code (README, Exit codes)."""
     from ..core.spec import TrajectorySpec
 
@@ -107,8 +118,9 @@ def run(layered: Layered, resumed: dict | None, *, command: str, default_listen:
     if group is not None:  # a learner rank > 0: rank 0's resolved configuration, with this rank's own address
         shared = group.shared
         cfg = from_flat(shared["config"], "rank 0's configuration")
-        layered = Layered(cfg, shared["layers"]).over(layers.RESOLVED, {
-            "listen": ranks.rank_address(cfg.network.listen, group.rank)})
+        layered = Layered(cfg, shared["layers"]).over(
+            layers.RESOLVED, {"listen": ranks.rank_address(cfg.network.listen, group.rank)}
+        )
         spec, env_backend = TrajectorySpec.from_dict(shared["spec"]), shared["env_backend"]
     try:  # before the heavy imports: a refusal to start is immediate
         keys = refuse(layered.cfg, default_listen)
@@ -129,8 +141,12 @@ def run(layered: Layered, resumed: dict | None, *, command: str, default_listen:
         cfg = layered.cfg
         if cfg.local_actors > 0 and cfg.actors.device != "cpu":
             resolve_device(cfg.actors.device, "--actor-device")  # no CUDA device: refused before any actor starts
-        group = ranks.join_lead(cfg, {"config": cfg.flat(), "layers": layered.layers, "spec": spec.to_dict(),
-                                      "env_backend": env_backend}, resumed, list(argv))
+        group = ranks.join_lead(
+            cfg,
+            {"config": cfg.flat(), "layers": layered.layers, "spec": spec.to_dict(), "env_backend": env_backend},
+            resumed,
+            list(argv),
+        )
     layered = fit_connections(layered, cfg.local_actors if group is None or group.rank == 0 else 0)
     cfg = layered.cfg
     if group is not None:
@@ -141,8 +157,9 @@ def run(layered: Layered, resumed: dict | None, *, command: str, default_listen:
     return _serve(layered, spec, env_backend, device, keys, resumed, group, start_monotonic)
 
 
-def _serve(layered: Layered, spec, env_backend: str, device, keys, resumed: dict | None, group,
-           start_monotonic: float) -> int:
+def _serve(
+    layered: Layered, spec, env_backend: str, device, keys, resumed: dict | None, group, start_monotonic: float
+) -> int:
     import dataclasses
     from pathlib import Path
 
@@ -163,19 +180,29 @@ def _serve(layered: Layered, spec, env_backend: str, device, keys, resumed: dict
     except ValueError as e:  # a network this observation space cannot take (an LSTM on vectors, images too small)
         raise SystemExit(f"impala-async: {e}") from None
     if resumed is not None:
-        if dataclasses.replace(TrajectorySpec.from_dict(resumed["spec"]), frame_stack=0) != \
-                dataclasses.replace(spec, frame_stack=0):  # how frames travel may change; the network may not
-            raise SystemExit(f"impala-async: the checkpoint's trajectory spec {resumed['spec']} differs from this "
-                             f"run's {spec.to_dict()}: resume with the same --env and --unroll-length")
+        if dataclasses.replace(TrajectorySpec.from_dict(resumed["spec"]), frame_stack=0) != dataclasses.replace(
+            spec, frame_stack=0
+        ):  # how frames travel may change; the network may not
+            raise SystemExit(
+                f"impala-async: the checkpoint's trajectory spec {resumed['spec']} differs from this "
+                f"run's {spec.to_dict()}: resume with the same --env and --unroll-length"
+            )
         learner.load_state_dict(resumed["learner"])
         log.info("resumed at %d env steps, policy version %d", learner.env_steps_trained, resumed["policy_version"])
     if group is not None:
         group.distribute(learner)  # gradients averaged over the ranks
-    run_info = {"protocol": wire.PROTOCOL_VERSION, "env_id": cfg.env.env, "env_kwargs": cfg.env.env_kwargs_dict,
-                "spec": spec.to_dict(), "model": learner.model_config.to_dict(),
-                "max_trajectories_per_message": cfg.limits.max_trajectories_per_message,
-                "max_message_bytes": cfg.limits.max_message_bytes, "obs_codec": cfg.env.obs_codec,
-                "jpeg_quality": cfg.env.jpeg_quality, "env_backend": env_backend}
+    run_info = {
+        "protocol": wire.PROTOCOL_VERSION,
+        "env_id": cfg.env.env,
+        "env_kwargs": cfg.env.env_kwargs_dict,
+        "spec": spec.to_dict(),
+        "model": learner.model_config.to_dict(),
+        "max_trajectories_per_message": cfg.limits.max_trajectories_per_message,
+        "max_message_bytes": cfg.limits.max_message_bytes,
+        "obs_codec": cfg.env.obs_codec,
+        "jpeg_quality": cfg.env.jpeg_quality,
+        "env_backend": env_backend,
+    }
     server: LearnerServer | None = None
     actors = None
     lead = group is None or group.rank == 0
@@ -188,11 +215,31 @@ def _serve(layered: Layered, spec, env_backend: str, device, keys, resumed: dict
             keys = keys if group is None else group.share_local_actor_key(keys)
         options = cfg.actors.options()
         actors = ActorProcesses.with_options(
-            lambda i, fd: actor_argv(server.listen_endpoint, server.publish_endpoint, i, fd, seed=cfg.run.seed,
-                                     options=options, curve_keys=str(local_dir) if local_dir else ""),
-            cfg.local_actors, options)
-    server = LearnerServer(cfg, learner, spec, run_info, cfg.run.logdir, start_monotonic=start_monotonic,
-                           actors=actors, keys=keys, resumed=resumed, ranks=group, config_layers=layered.layers)
+            lambda i, fd: actor_argv(
+                server.listen_endpoint,
+                server.publish_endpoint,
+                i,
+                fd,
+                seed=cfg.run.seed,
+                options=options,
+                curve_keys=str(local_dir) if local_dir else "",
+            ),
+            cfg.local_actors,
+            options,
+        )
+    server = LearnerServer(
+        cfg,
+        learner,
+        spec,
+        run_info,
+        cfg.run.logdir,
+        start_monotonic=start_monotonic,
+        actors=actors,
+        keys=keys,
+        resumed=resumed,
+        ranks=group,
+        config_layers=layered.layers,
+    )
     code = uvloop.run(server.serve())
     if code and server.lead:
         print(f"impala-async: stopped: {server.exit_reason}", file=sys.stderr)

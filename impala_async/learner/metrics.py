@@ -29,11 +29,18 @@ class Reporter:
     def _snapshot(self, now: float) -> dict:
         s, ing = self.s, self.s.ingest
         summed, per_rank = totals(s)  # every learner rank's (ranks.py); this one's alone with one rank
-        return {"t": now, "summed": summed, "per_rank": per_rank, "env_steps": summed["env_steps"],
-                "trajectories": summed["trajectories_received"],
-                "own_trajectories": ing.trajectories_received, "bytes": summed["bytes_received"],
-                "decoded": summed["decoded_bytes"], "batches": s.trainer.batches,
-                "stages": {**s.stage_s, **ing.stage_s, **s.trainer.stage_s}}
+        return {
+            "t": now,
+            "summed": summed,
+            "per_rank": per_rank,
+            "env_steps": summed["env_steps"],
+            "trajectories": summed["trajectories_received"],
+            "own_trajectories": ing.trajectories_received,
+            "bytes": summed["bytes_received"],
+            "decoded": summed["decoded_bytes"],
+            "batches": s.trainer.batches,
+            "stages": {**s.stage_s, **ing.stage_s, **s.trainer.stage_s},
+        }
 
     def record(self, stats: list[dict], lags: list[tuple[int, float, int]]) -> dict:
         """``stats``: the learner updates' statistics since the last record; ``lags``: (min, mean, max) policy lag of
@@ -63,8 +70,9 @@ class Reporter:
             "trajectories_jpeg": ing.trajectories_jpeg,
             "trajectories_by_key": trajectories_by_key(s),
             "messages_rejected": sum(ing.rejected.values()),
-            "trajectories_dropped": (ring.dropped_full + ring.dropped_stale + ing.dropped_stale
-                                     + ing.dropped_incarnation),
+            "trajectories_dropped": (
+                ring.dropped_full + ring.dropped_stale + ing.dropped_stale + ing.dropped_incarnation
+            ),
             "dropped_full": ring.dropped_full,
             "dropped_stale": ring.dropped_stale + ing.dropped_stale,
             "dropped_incarnation": ing.dropped_incarnation,
@@ -80,9 +88,11 @@ class Reporter:
             "loop_lag_p99_ms": _ms(s.loop_lag_s.quantile(0.99)),
             # Seconds per trajectory in each stage: ingest stages per trajectory received, h2d and train per
             # trajectory trained (the two differ when batches are dropped).
-            "stage_s_per_trajectory": {k: (v - prev["stages"][k]) / n if n else None
-                                       for k, v in cur["stages"].items()
-                                       for n in [d_trained if k in s.trainer.stage_s else d_own]},
+            "stage_s_per_trajectory": {
+                k: (v - prev["stages"][k]) / n if n else None
+                for k, v in cur["stages"].items()
+                for n in [d_trained if k in s.trainer.stage_s else d_own]
+            },
             "ring_ready_batches": ring.ready_batches(),
             "ring_waiting_trajectories": ring.waiting_trajectories(),
             "pace_s_per_trajectory": round(s.pacer.pace_s_per_trajectory, 6),
@@ -92,21 +102,23 @@ class Reporter:
             "scratch_mib": round(ing.scratch_nbytes / 2**20, 2),
         }
         pub, pull = s.publisher, s.pull_guard
-        rec.update({
-            "incarnation": s.incarnation,
-            "difficulty": s.difficulty,
-            "updates_skipped_nonfinite": s.learner.updates_skipped,
-            "inputs_clipped": s.learner.inputs_clipped,
-            "weights_refused_nonfinite": s.weights_refused_nonfinite,
-            "checkpoint_failures": s.checkpoint_failures,
-            "connections_trajectories": len(pull.conns),
-            "connections_weights": len(pub.guard.conns),
-            "unread_bytes": pull.unread_bytes_total,
-            "weights_sends": pub.sends,
-            "weights_resends": pub.resends,
-            "subscriptions": pub.subscriptions,
-            "subscriptions_ignored": pub.ignored_subscriptions,
-        })
+        rec.update(
+            {
+                "incarnation": s.incarnation,
+                "difficulty": s.difficulty,
+                "updates_skipped_nonfinite": s.learner.updates_skipped,
+                "inputs_clipped": s.learner.inputs_clipped,
+                "weights_refused_nonfinite": s.weights_refused_nonfinite,
+                "checkpoint_failures": s.checkpoint_failures,
+                "connections_trajectories": len(pull.conns),
+                "connections_weights": len(pub.guard.conns),
+                "unread_bytes": pull.unread_bytes_total,
+                "weights_sends": pub.sends,
+                "weights_resends": pub.resends,
+                "subscriptions": pub.subscriptions,
+                "subscriptions_ignored": pub.ignored_subscriptions,
+            }
+        )
         for reason in CUT_REASONS:
             rec[f"connections_cut_{reason}"] = pull.cut[reason] + pub.guard.cut[reason]
         if s.actors is not None:
@@ -116,18 +128,43 @@ class Reporter:
         for reason in REJECT_REASONS:
             rec[f"rejected_{reason}"] = ing.rejected[reason]
         stats = [st for st in stats if not st["skipped"]]  # a skipped update's losses are not finite
-        for name in ("loss_pg", "loss_baseline", "entropy", "grad_norm", "rho_mean", "rho_clipped_frac", "rho_far_frac",
-                     "lr", "entropy_cost"):
+        for name in (
+            "loss_pg",
+            "loss_baseline",
+            "entropy",
+            "grad_norm",
+            "rho_mean",
+            "rho_clipped_frac",
+            "rho_far_frac",
+            "lr",
+            "entropy_cost",
+        ):
             rec[name] = float(np.mean([st[name] for st in stats])) if stats else None
         rec["rho_hist"] = np.sum([st["rho_hist"] for st in stats], axis=0).tolist() if stats else None
         rec["rho_hist_edges"] = list(RHO_BIN_EDGES)
         # With several learner ranks the ingest counters are sums over the ranks, and each rank's figures are under
         # "ranks" (the others' as of their latest heartbeat); episode_return_mean is over the episodes rank 0 got.
         summed, per_rank = cur["summed"], cur["per_rank"]
-        rec.update({k: summed[k] for k in ("env_steps", "episodes", "trajectories_received", "trajectories_rejected",
-                                           "messages_received", "messages_rejected", "bytes_received",
-                                           "trajectories_dropped", "dropped_full", "dropped_stale",
-                                           "dropped_incarnation", "ring_ready_batches", "ring_waiting_trajectories")})
+        rec.update(
+            {
+                k: summed[k]
+                for k in (
+                    "env_steps",
+                    "episodes",
+                    "trajectories_received",
+                    "trajectories_rejected",
+                    "messages_received",
+                    "messages_rejected",
+                    "bytes_received",
+                    "trajectories_dropped",
+                    "dropped_full",
+                    "dropped_stale",
+                    "dropped_incarnation",
+                    "ring_ready_batches",
+                    "ring_waiting_trajectories",
+                )
+            }
+        )
         rec["learner_ranks"] = s.cfg.ranks.learner_ranks
         rec["ranks"] = per_rank
         ing.latency_s.reset()
@@ -185,10 +222,12 @@ class Progress:
 
     def show(self, r: dict) -> None:
         ret = r.get("episode_return_mean")
-        text = (f"{r['wall_s']:7.1f}s  steps {r['env_steps']:>10,}  sps {r['sps']:>8,.0f}  "
-                f"return {'-' if ret is None else f'{ret:8.1f}'}  updates {r['learner_steps']:>7,}  "
-                f"lag {r['policy_lag_avg'] if r['policy_lag_avg'] is not None else '-':>5}  "
-                f"rejected {r['trajectories_rejected']}  dropped {r['trajectories_dropped']}")
+        text = (
+            f"{r['wall_s']:7.1f}s  steps {r['env_steps']:>10,}  sps {r['sps']:>8,.0f}  "
+            f"return {'-' if ret is None else f'{ret:8.1f}'}  updates {r['learner_steps']:>7,}  "
+            f"lag {r['policy_lag_avg'] if r['policy_lag_avg'] is not None else '-':>5}  "
+            f"rejected {r['trajectories_rejected']}  dropped {r['trajectories_dropped']}"
+        )
         if self.tty:
             self.stream.write("\r\x1b[2K" + text)
             self._open = True

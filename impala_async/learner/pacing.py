@@ -41,8 +41,15 @@ STARVED_S = 0.001  # a trainer that waited longer than this for a batch was star
 
 
 class Pacer:
-    def __init__(self, target_trajectories: float, window_s: float, max_pace_s_per_trajectory: float,
-                 capacity_trajectories: int = 1 << 30, max_tracked_senders: int = 100_000, ranks: int = 1):
+    def __init__(
+        self,
+        target_trajectories: float,
+        window_s: float,
+        max_pace_s_per_trajectory: float,
+        capacity_trajectories: int = 1 << 30,
+        max_tracked_senders: int = 100_000,
+        ranks: int = 1,
+    ):
         """``target_trajectories`` > 0: the fewest trajectories the learner wants waiting; 0 turns pacing off (pace
         0). ``capacity_trajectories``: what the ring holds (the target stays a message and a batch below it).
         ``ranks``: learner ranks training in lock step (this pacer sees one rank's share of the data)."""

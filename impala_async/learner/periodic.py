@@ -62,13 +62,18 @@ class PeriodicTasks:
         """SIGUSR1: write every thread's stack and every asyncio task's state to stderr (for a stuck learner)."""
         import faulthandler
         import sys
+
         faulthandler.dump_traceback(all_threads=True)
         for task in asyncio.all_tasks(self._loop):
             task.print_stack(file=sys.stderr)
-        print(f"trainer alive={self.trainer.alive()} error={self.trainer.error!r} batches={self.trainer.batches} "
-              f"ring ready={self.ring.ready_batches()} writable={self.ring.writable()} "
-              f"pending={self.ingest.pending is not None} connections={len(self.pull_guard.conns)}+"
-              f"{len(self.publisher.guard.conns)}", file=sys.stderr, flush=True)
+        print(
+            f"trainer alive={self.trainer.alive()} error={self.trainer.error!r} batches={self.trainer.batches} "
+            f"ring ready={self.ring.ready_batches()} writable={self.ring.writable()} "
+            f"pending={self.ingest.pending is not None} connections={len(self.pull_guard.conns)}+"
+            f"{len(self.publisher.guard.conns)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     async def _watch_loop(self) -> None:
         cfg = self.cfg
@@ -77,16 +82,25 @@ class PeriodicTasks:
             if self.actors is not None:
                 self.actors.check()
                 if self.actors.all_given_up():
-                    self.request_stop(f"every local actor failed {cfg.actors.max_actor_restarts + 1} times; "
-                                      f"see the actor errors above", EXIT_ACTORS_FAILED)
+                    self.request_stop(
+                        f"every local actor failed {cfg.actors.max_actor_restarts + 1} times; "
+                        f"see the actor errors above",
+                        EXIT_ACTORS_FAILED,
+                    )
             now = time.monotonic()
             last = self.ingest.last_data_at
             if last is None and now - self.t0 > cfg.run.actor_start_timeout_s:
-                self.request_stop(f"no trajectory arrived within actor_start_timeout_s={cfg.run.actor_start_timeout_s:g} s "
-                                  f"of start: are actors running and pointed at {self.listen_endpoint}?", EXIT_NO_DATA)
+                self.request_stop(
+                    f"no trajectory arrived within actor_start_timeout_s={cfg.run.actor_start_timeout_s:g} s "
+                    f"of start: are actors running and pointed at {self.listen_endpoint}?",
+                    EXIT_NO_DATA,
+                )
             elif last is not None and now - last > cfg.run.no_data_timeout_s:
-                self.request_stop(f"no trajectory arrived for no_data_timeout_s={cfg.run.no_data_timeout_s:g} s: "
-                                  f"every actor is gone or stuck", EXIT_NO_DATA)
+                self.request_stop(
+                    f"no trajectory arrived for no_data_timeout_s={cfg.run.no_data_timeout_s:g} s: "
+                    f"every actor is gone or stuck",
+                    EXIT_NO_DATA,
+                )
 
     async def _loop_lag_loop(self) -> None:
         """Event-loop responsiveness: how late a short sleep wakes up."""

@@ -40,8 +40,10 @@ INTERVAL_GAUGES = {
     "entropy_cost": ("entropy_cost", "mean weight of the entropy bonus in the last interval's updates"),
     "latency_p50_ms": ("latency_p50_seconds", "median actor-send to ring-slot latency over the last interval"),
     "latency_p99_ms": ("latency_p99_seconds", "99th percentile actor-send to ring-slot latency, last interval"),
-    "loop_lag_p99_ms": ("loop_lag_p99_seconds", "99th percentile lateness of the event loop's 10 ms probe sleep, "
-                                                "last interval"),
+    "loop_lag_p99_ms": (
+        "loop_lag_p99_seconds",
+        "99th percentile lateness of the event loop's 10 ms probe sleep, last interval",
+    ),
 }
 
 
@@ -64,7 +66,7 @@ class Totals:
             self.lag_counts += counts
             self.lag_sum += int(lag.sum())
             if hist is not None:
-                self.rho_counts[:len(hist)] += hist
+                self.rho_counts[: len(hist)] += hist
                 self.rho_sum += float(stats["rho_mean"]) * int(hist.sum())
 
     def snapshot(self) -> tuple[np.ndarray, int, np.ndarray, float]:
@@ -104,47 +106,90 @@ class LearnerCollector:
 
     def collect(self):
         s, ing, ring = self.s, self.s.ingest, self.s.ring
-        yield InfoMetricFamily(P + "run", "this learner run", value={
-            "env": s.cfg.env.env, "incarnation": str(s.incarnation), "device": str(s.device)})
-        yield _counter("env_steps", "environment steps in accepted trajectories (continues across resumes)",
-                       ing.env_steps)
-        yield _counter("env_steps_trained", "environment steps in batches the learner consumed",
-                       s.learner.env_steps_trained)
+        yield InfoMetricFamily(
+            P + "run",
+            "this learner run",
+            value={"env": s.cfg.env.env, "incarnation": str(s.incarnation), "device": str(s.device)},
+        )
+        yield _counter(
+            "env_steps", "environment steps in accepted trajectories (continues across resumes)", ing.env_steps
+        )
+        yield _counter(
+            "env_steps_trained", "environment steps in batches the learner consumed", s.learner.env_steps_trained
+        )
         yield _counter("learner_steps", "updates applied (skipped ones not counted)", s.learner.updates)
         yield _counter("episodes", "episodes reported in accepted messages", ing.episodes)
         yield _counter("batches", "batches the training thread took", s.trainer.batches)
         yield _gauge("policy_version", "the learner's current policy version", s.trainer.policy_version)
         returns, lengths = ing.returns.copy(), ing.lengths.copy()
-        yield _gauge("episode_return_mean", "mean return of the last 100 episodes (raw reward units)",
-                     float(np.mean(returns)) if returns else None)
-        yield _gauge("episode_length_mean_steps", "mean length of the last 100 episodes",
-                     float(np.mean(lengths)) if lengths else None)
+        yield _gauge(
+            "episode_return_mean",
+            "mean return of the last 100 episodes (raw reward units)",
+            float(np.mean(returns)) if returns else None,
+        )
+        yield _gauge(
+            "episode_length_mean_steps",
+            "mean length of the last 100 episodes",
+            float(np.mean(lengths)) if lengths else None,
+        )
         yield _counter("trajectories_received", "trajectories accepted into the ring", ing.trajectories_received)
         yield _counter("trajectories_rejected", "trajectories in rejected messages", ing.trajectories_rejected)
-        yield _counter("trajectories_jpeg", "accepted trajectories whose observations came as JPEG",
-                       ing.trajectories_jpeg)
-        yield _by("trajectories_by_key", "trajectories of accepted messages, by the name of the CURVE key they came "
-                  "with (allowed/NAME.key; unauthenticated without CURVE)", "key", trajectories_by_key(s))
-        yield _by("trajectories_dropped", "trajectories dropped, by reason", "reason", {
-            "full": ring.dropped_full, "stale": ring.dropped_stale + ing.dropped_stale,
-            "incarnation": ing.dropped_incarnation})
+        yield _counter(
+            "trajectories_jpeg", "accepted trajectories whose observations came as JPEG", ing.trajectories_jpeg
+        )
+        yield _by(
+            "trajectories_by_key",
+            "trajectories of accepted messages, by the name of the CURVE key they came "
+            "with (allowed/NAME.key; unauthenticated without CURVE)",
+            "key",
+            trajectories_by_key(s),
+        )
+        yield _by(
+            "trajectories_dropped",
+            "trajectories dropped, by reason",
+            "reason",
+            {
+                "full": ring.dropped_full,
+                "stale": ring.dropped_stale + ing.dropped_stale,
+                "incarnation": ing.dropped_incarnation,
+            },
+        )
         yield _counter("messages_received", "messages read from the trajectory socket", ing.messages_received)
-        yield _by("rejected_messages", "messages rejected, by reason (docs/protocol.md)", "reason",
-                  {r: ing.rejected[r] for r in REJECT_REASONS})
+        yield _by(
+            "rejected_messages",
+            "messages rejected, by reason (docs/protocol.md)",
+            "reason",
+            {r: ing.rejected[r] for r in REJECT_REASONS},
+        )
         yield _counter("received_bytes", "message bytes read from the trajectory socket", ing.bytes_received)
         yield _counter("decoded_bytes", "decoded trajectory bytes written to the ring", ing.decoded_bytes)
-        yield _counter("latency_implausible_messages", "accepted messages with a latency outside the plausible range",
-                       ing.latency_implausible)
+        yield _counter(
+            "latency_implausible_messages",
+            "accepted messages with a latency outside the plausible range",
+            ing.latency_implausible,
+        )
         stages = {**dict(s.stage_s), **dict(ing.stage_s), **dict(s.trainer.stage_s)}
-        yield _by("stage_seconds", "seconds spent in each stage (per trajectory: divide by the rate of "
-                                   "trajectories received, or trained for h2d, train and wait)", "stage", stages)
+        yield _by(
+            "stage_seconds",
+            "seconds spent in each stage (per trajectory: divide by the rate of "
+            "trajectories received, or trained for h2d, train and wait)",
+            "stage",
+            stages,
+        )
         yield _gauge("ring_ready_batches", "full batches waiting for the training thread", ring.ready_batches())
-        yield _gauge("ring_waiting_trajectories", "trajectories in the ring not yet taken by the training thread",
-                     ring.waiting_trajectories())
-        yield _gauge("pace_seconds_per_trajectory", "flow control: the pace last sent to actors (0: none)",
-                     s.pacer.pace_s_per_trajectory)
-        yield _gauge("pace_senders", "flow control: actors whose messages were accepted within the pace window",
-                     s.pacer.senders)
+        yield _gauge(
+            "ring_waiting_trajectories",
+            "trajectories in the ring not yet taken by the training thread",
+            ring.waiting_trajectories(),
+        )
+        yield _gauge(
+            "pace_seconds_per_trajectory",
+            "flow control: the pace last sent to actors (0: none)",
+            s.pacer.pace_s_per_trajectory,
+        )
+        yield _gauge(
+            "pace_senders", "flow control: actors whose messages were accepted within the pace window", s.pacer.senders
+        )
         yield _gauge("ring_slots", "batch slots in the ring buffer", s.cfg.ring.ring_batches)
         yield _gauge("ring_bytes", "size of the ring buffer", ring.nbytes)
         yield _gauge("scratch_bytes", "size of the decode scratch area", ing.scratch_nbytes)
@@ -153,10 +198,16 @@ class LearnerCollector:
         conns.add_metric(["trajectories"], len(pull.conns))
         conns.add_metric(["weights"], len(pub.guard.conns))
         yield conns
-        yield _gauge("unread_bytes", "bytes trajectory connections made the learner hold unread at the last check",
-                     pull.unread_bytes_total)
-        cut = CounterMetricFamily(P + "connections_cut", "connections closed by the learner, by socket and reason",
-                                  labels=["socket", "reason"])
+        yield _gauge(
+            "unread_bytes",
+            "bytes trajectory connections made the learner hold unread at the last check",
+            pull.unread_bytes_total,
+        )
+        cut = CounterMetricFamily(
+            P + "connections_cut",
+            "connections closed by the learner, by socket and reason",
+            labels=["socket", "reason"],
+        )
         for reason in CUT_REASONS:
             cut.add_metric(["trajectories", reason], float(pull.cut[reason]))
             cut.add_metric(["weights", reason], float(pub.guard.cut[reason]))
@@ -165,25 +216,30 @@ class LearnerCollector:
         yield _counter("weights_resends", "re-sends of unchanged weights", pub.resends)
         yield _counter("subscriptions", "subscriptions to the weights", pub.subscriptions)
         yield _counter("subscriptions_ignored", "subscriptions to topics never published", pub.ignored_subscriptions)
-        yield _counter("updates_skipped_nonfinite", "updates skipped: loss or gradient not finite",
-                       s.learner.updates_skipped)
+        yield _counter(
+            "updates_skipped_nonfinite", "updates skipped: loss or gradient not finite", s.learner.updates_skipped
+        )
         yield _counter("inputs_clipped", "values from the wire clipped into their range", s.learner.inputs_clipped)
-        yield _counter("weights_refused_nonfinite", "times weights were not published: not finite",
-                       s.weights_refused_nonfinite)
+        yield _counter(
+            "weights_refused_nonfinite", "times weights were not published: not finite", s.weights_refused_nonfinite
+        )
         yield _counter("checkpoint_failures", "checkpoints that could not be written", s.checkpoint_failures)
         yield _gauge("curriculum_difficulty", "the curriculum's value sent with the latest weights", s.difficulty)
         if s.actors is not None:
             yield _gauge("actors_alive", "local actor processes running", s.actors.alive())
             yield _counter("actor_restarts", "restarts of local actors", s.actors.restarts_total)
-            yield _counter("actors_replaced_silent", "local actors killed for missing heartbeats",
-                           s.actors.replaced_silent)
+            yield _counter(
+                "actors_replaced_silent", "local actors killed for missing heartbeats", s.actors.replaced_silent
+            )
         lag_counts, lag_sum, rho_counts, rho_sum = s.totals.snapshot()
-        lag = HistogramMetricFamily(P + "policy_lag_versions", "per trained trajectory: learner version minus the "
-                                                               "version that acted")
+        lag = HistogramMetricFamily(
+            P + "policy_lag_versions", "per trained trajectory: learner version minus the version that acted"
+        )
         lag.add_metric([], _buckets((*LAG_BUCKETS, float("inf")), lag_counts), float(lag_sum))
         yield lag
-        rho = HistogramMetricFamily(P + "rho_ratio", "importance weights pi/mu of the actions taken, over every update "
-                                                     "(skipped ones excluded)")
+        rho = HistogramMetricFamily(
+            P + "rho_ratio", "importance weights pi/mu of the actions taken, over every update (skipped ones excluded)"
+        )
         rho.add_metric([], _buckets(RHO_BUCKETS, rho_counts), rho_sum)
         yield rho
         rec = s.last_record or {}
@@ -192,9 +248,11 @@ class LearnerCollector:
             yield _gauge(name, doc, None if value is None else value / 1000 if key.endswith("_ms") else value)
         now = time.monotonic()
         yield _gauge("uptime_seconds", "run time, a resumed run's earlier time included", s.wall_offset_s + now - s.t0)
-        beats = GaugeMetricFamily(P + "heartbeat_age_seconds", "time since the thread last made progress "
-                                                               "(/healthz: over health_stale_s is unhealthy)",
-                                  labels=["thread"])
+        beats = GaugeMetricFamily(
+            P + "heartbeat_age_seconds",
+            "time since the thread last made progress (/healthz: over health_stale_s is unhealthy)",
+            labels=["thread"],
+        )
         beats.add_metric(["trainer"], now - s.trainer.heartbeat)
         if s.receive_beat is not None:
             beats.add_metric(["receive"], now - s.receive_beat)
@@ -219,10 +277,12 @@ def health(s, now: float | None = None) -> tuple[bool, str]:
         return False, "receive loop not started"
     age = now - s.receive_beat
     if age > stale:
-        return False, (f"receive loop stuck (event loop blocked?): no progress for {age:.1f} s "
-                       f"(health_stale_s={stale:g})")
-    return True, (f"ok: training thread and receive loop alive; {s.ingest.env_steps} env steps, "
-                  f"{s.learner.updates} updates")
+        return False, (
+            f"receive loop stuck (event loop blocked?): no progress for {age:.1f} s (health_stale_s={stale:g})"
+        )
+    return True, (
+        f"ok: training thread and receive loop alive; {s.ingest.env_steps} env steps, {s.learner.updates} updates"
+    )
 
 
 def start(server) -> None:
@@ -232,14 +292,20 @@ def start(server) -> None:
     server.receive_beat = time.monotonic()  # the receive loop starts right after the startup
     if cfg.observe.tensorboard:
         from .tboard import TensorBoardWriter
-        server.tboard = TensorBoardWriter(server.logdir, flush_interval_s=cfg.observe.tensorboard_flush_interval_s,
-                                          max_queue_records=cfg.observe.max_tensorboard_queue_records)
+
+        server.tboard = TensorBoardWriter(
+            server.logdir,
+            flush_interval_s=cfg.observe.tensorboard_flush_interval_s,
+            max_queue_records=cfg.observe.max_tensorboard_queue_records,
+        )
     if cfg.observe.metrics_port:
         try:
             server.http = serve(server)
         except OSError as e:
-            raise SystemExit(f"impala-async: cannot serve /metrics on {cfg.observe.metrics_host}:{cfg.observe.metrics_port} "
-                             f"(--metrics-host, --metrics-port): {e}") from None
+            raise SystemExit(
+                f"impala-async: cannot serve /metrics on {cfg.observe.metrics_host}:{cfg.observe.metrics_port} "
+                f"(--metrics-host, --metrics-port): {e}"
+            ) from None
 
 
 def serve(server) -> httpd.HttpServer:
@@ -255,10 +321,14 @@ def serve(server) -> httpd.HttpServer:
         return httpd.text(200 if ok else 503, reason)
 
     cfg = server.cfg
-    http = httpd.HttpServer(cfg.observe.metrics_host, cfg.observe.metrics_port, {"/metrics": httpd.metrics_route(registry),
-                                                                 "/healthz": healthz},
-                            max_connections=cfg.observe.max_metrics_connections,
-                            request_timeout_s=cfg.observe.metrics_request_timeout_s,
-                            max_request_bytes=cfg.observe.max_metrics_request_bytes, name="learner")
+    http = httpd.HttpServer(
+        cfg.observe.metrics_host,
+        cfg.observe.metrics_port,
+        {"/metrics": httpd.metrics_route(registry), "/healthz": healthz},
+        max_connections=cfg.observe.max_metrics_connections,
+        request_timeout_s=cfg.observe.metrics_request_timeout_s,
+        max_request_bytes=cfg.observe.max_metrics_request_bytes,
+        name="learner",
+    )
     http.start()
     return http

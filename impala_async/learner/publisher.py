@@ -40,17 +40,23 @@ class WeightsPublisher:
         s.setsockopt(zmq.SNDHWM, SNDHWM_MESSAGES)
         s.setsockopt(zmq.RCVHWM, RCVHWM_MESSAGES)
         s.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.network.handshake_timeout_s * 1000))
-        if cfg.network.peer_timeout_s > 0:  # a peer gone without closing its connection stops counting against the limits
+        if (
+            cfg.network.peer_timeout_s > 0
+        ):  # a peer gone without closing its connection stops counting against the limits
             s.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.network.peer_timeout_s * 1000 / 3)))
             s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.network.peer_timeout_s * 1000))
         s.setsockopt(zmq.LINGER, 0)
         if secure is not None:
             secure(s)
         per_connection = max(64 << 10, (RCVHWM_MESSAGES + 2) * cfg.limits.max_subscription_bytes)
-        self.guard = ConnectionGuard("weights", s, max_connections=cfg.limits.max_connections,
-                                     max_unread_bytes=per_connection,
-                                     max_unread_bytes_total=per_connection * cfg.limits.max_connections,
-                                     max_messages=cfg.limits.max_subscriptions_per_connection)
+        self.guard = ConnectionGuard(
+            "weights",
+            s,
+            max_connections=cfg.limits.max_connections,
+            max_unread_bytes=per_connection,
+            max_unread_bytes_total=per_connection * cfg.limits.max_connections,
+            max_messages=cfg.limits.max_subscriptions_per_connection,
+        )
         self.latest: bytes | None = None
         self.sends = 0  # weights messages sent (each goes to every subscriber)
         self.resends = 0  # of which re-sends of the same weights (new subscribers, periodic)

@@ -73,21 +73,30 @@ def rank_address(listen: str, rank: int) -> str:
 
 def _log_format(rank: int) -> None:
     for handler in logging.getLogger().handlers:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname).1s rank{rank} %(name)s: %(message)s",
-                                               datefmt="%H:%M:%S"))
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname).1s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
+        )
 
 
 def _prefix(raw):
     from torch.distributed import PrefixStore
+
     return PrefixStore(f"impala-async/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", raw)
 
 
 def _connect(rank: int, world: int, timeout_s: float):
     """The store of the environment's rendezvous: torchrun's agent store, or rank 0's (rank 0 hosts it)."""
     from torch.distributed import TCPStore
+
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    raw = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                   is_master=rank == 0 and not agent, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    raw = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
     return raw, _prefix(raw)
 
 
@@ -98,8 +107,10 @@ def torchrun_world(learner_ranks: int) -> int | None:
         return None
     world = got[1]
     if learner_ranks not in (1, world):
-        raise SystemExit(f"impala-async: --learner-ranks {learner_ranks} but WORLD_SIZE={world} (torchrun gives the "
-                         f"number of ranks: leave --learner-ranks out)")
+        raise SystemExit(
+            f"impala-async: --learner-ranks {learner_ranks} but WORLD_SIZE={world} (torchrun gives the "
+            f"number of ranks: leave --learner-ranks out)"
+        )
     return world
 
 
@@ -116,8 +127,10 @@ def join_worker(rank_start_timeout_s: float):
         raw, store = _connect(rank, world, rank_start_timeout_s)
         shared = json.loads(store.get("config"))  # waits for rank 0 (up to rank_start_timeout_s)
     except Exception as e:
-        raise SystemExit(f"impala-async: learner rank {rank}: no configuration from rank 0 at "
-                         f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}: {e}") from None
+        raise SystemExit(
+            f"impala-async: learner rank {rank}: no configuration from rank 0 at "
+            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}: {e}"
+        ) from None
     group = RankGroup(rank, world, local, raw, store)
     group.shared = shared
     group.incarnation = shared["incarnation"]
@@ -140,30 +153,50 @@ def join_lead(cfg, shared: dict, resumed: dict | None, argv: list[str]):
         raw, store = _connect(0, world, cfg.ranks.rank_start_timeout_s)
     else:
         from torch.distributed import TCPStore
+
         local = 0
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))  # loopback only: nothing outside this machine reaches the store
         listener.listen(4 * world)
         port = listener.getsockname()[1]
-        raw = TCPStore("127.0.0.1", port, world, is_master=True,
-                       timeout=timedelta(seconds=cfg.ranks.rank_start_timeout_s), wait_for_workers=False,
-                       master_listen_fd=listener.fileno())
+        raw = TCPStore(
+            "127.0.0.1",
+            port,
+            world,
+            is_master=True,
+            timeout=timedelta(seconds=cfg.ranks.rank_start_timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
         store = _prefix(raw)
-        env = dict(os.environ, WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONUNBUFFERED="1", **{PARENT_ENV: str(os.getpid())})
+        env = dict(
+            os.environ,
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONUNBUFFERED="1",
+            **{PARENT_ENV: str(os.getpid())},
+        )
         if "GLOO_SOCKET_IFNAME" not in env and "lo" in {name for _, name in socket.if_nameindex()}:
             os.environ["GLOO_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs on loopback too
         _log_format(0)
         for r in range(1, world):
             # Own session: a Ctrl-C in the terminal reaches rank 0 only, which stops the others in order.
-            children.append(subprocess.Popen([sys.executable, "-m", "impala_async", *argv], stdin=subprocess.DEVNULL,
-                                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                             start_new_session=True))
+            children.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "impala_async", *argv],
+                    stdin=subprocess.DEVNULL,
+                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                    start_new_session=True,
+                )
+            )
             log.info("learner rank %d: pid %d", r, children[-1].pid)
     group = RankGroup(0, world, local, raw, store, children)
     group.listener = listener
     group.cfg, group.resumed = cfg, resumed
     from ..core import wire
+
     group.incarnation = wire.new_incarnation()  # one for the whole learner: trajectories carry it to any rank
     store.set("config", json.dumps({**shared, "incarnation": group.incarnation}))
     return group
@@ -188,6 +221,7 @@ class RankGroup:
         device this rank trains on. Rank 0 first waits until every rank is ready (a rank that exits first is named)."""
         import torch
         import torch.distributed as dist
+
         cfg = self.cfg
         if device.type == "cuda":
             device = torch.device("cuda", self.local_rank)
@@ -199,9 +233,13 @@ class RankGroup:
         self.store.set(f"ready/{self.rank}", str(os.getpid()))
         if self.rank == 0:
             self._wait_for([f"ready/{r}" for r in range(self.world)], cfg.ranks.rank_start_timeout_s, "to start")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore("pg", self.store),
-                                rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=cfg.ranks.rank_collective_timeout_s))
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=dist.PrefixStore("pg", self.store),
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(seconds=cfg.ranks.rank_collective_timeout_s),
+        )
         box = [self.resumed]
         dist.broadcast_object_list(box, src=0)
         resumed = box[0]
@@ -221,11 +259,15 @@ class RankGroup:
         while not self.store.check(keys):
             for r, child in enumerate(self.children, start=1):
                 if child.poll() is not None:
-                    raise SystemExit(f"impala-async: learner rank {r} (pid {child.pid}) exited with code "
-                                     f"{child.returncode} before the ranks could start")
+                    raise SystemExit(
+                        f"impala-async: learner rank {r} (pid {child.pid}) exited with code "
+                        f"{child.returncode} before the ranks could start"
+                    )
             if time.monotonic() > deadline:
-                raise SystemExit(f"impala-async: the learner ranks did not all get ready {what} within "
-                                 f"rank_start_timeout_s={timeout_s:g} s")
+                raise SystemExit(
+                    f"impala-async: the learner ranks did not all get ready {what} within "
+                    f"rank_start_timeout_s={timeout_s:g} s"
+                )
             time.sleep(0.05)
 
     def share_address(self, endpoint: str) -> list[str] | None:
@@ -270,8 +312,9 @@ class RankGroup:
                 server.learner.stop_requested = True
             if trainer.join(timeout_s):
                 return True
-            log.warning("rank %d: no update in step with the other ranks within %.1f s; stopping now", self.rank,
-                        timeout_s)
+            log.warning(
+                "rank %d: no update in step with the other ranks within %.1f s; stopping now", self.rank, timeout_s
+            )
         return trainer.stop(timeout_s / 2)
 
     def finish(self, server) -> None:
@@ -292,6 +335,7 @@ class RankGroup:
                 child.wait()
         if whole:
             import torch.distributed as dist
+
             if dist.is_initialized():
                 dist.destroy_process_group()
         self.stuck = not whole
@@ -303,10 +347,16 @@ class RankGroup:
 
     def _dump(self, server) -> None:
         import torch
+
         path = Path(server.logdir) / f"rank-{self.rank}-state.pt"
         lr = server.learner
-        state = {"model": lr.model.state_dict(), "optimizer": lr.optimizer.state_dict(), "updates": lr.updates,
-                 "batches": server.trainer.batches, "policy_version": server.trainer.policy_version}
+        state = {
+            "model": lr.model.state_dict(),
+            "optimizer": lr.optimizer.state_dict(),
+            "updates": lr.updates,
+            "batches": server.trainer.batches,
+            "policy_version": server.trainer.policy_version,
+        }
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)

@@ -20,22 +20,49 @@ import time
 
 EXIT_RANK_FAILED = 6  # a learner rank died, failed, or hung (README, "Several learner ranks")
 # Counters each rank reports with its heartbeat; rank 0's metrics hold their sums (and each rank's under "ranks").
-SUMMED = ("env_steps", "episodes", "trajectories_received", "trajectories_rejected", "messages_received",
-          "messages_rejected", "bytes_received", "decoded_bytes", "dropped_full", "dropped_stale",
-          "dropped_incarnation", "trajectories_dropped", "ring_ready_batches", "ring_waiting_trajectories")
-PER_RANK = ("trajectories_received", "trajectories_rejected", "trajectories_dropped", "ring_waiting_trajectories",
-            "env_steps")
+SUMMED = (
+    "env_steps",
+    "episodes",
+    "trajectories_received",
+    "trajectories_rejected",
+    "messages_received",
+    "messages_rejected",
+    "bytes_received",
+    "decoded_bytes",
+    "dropped_full",
+    "dropped_stale",
+    "dropped_incarnation",
+    "trajectories_dropped",
+    "ring_ready_batches",
+    "ring_waiting_trajectories",
+)
+PER_RANK = (
+    "trajectories_received",
+    "trajectories_rejected",
+    "trajectories_dropped",
+    "ring_waiting_trajectories",
+    "env_steps",
+)
 
 
 def counters(server) -> dict:
     """This rank's counters (read from any thread: each is one read of an int, or one C-level copy)."""
     ing, ring = server.ingest, server.ring
-    c = {"env_steps": ing.env_steps, "episodes": ing.episodes, "trajectories_received": ing.trajectories_received,
-         "trajectories_rejected": ing.trajectories_rejected, "messages_received": ing.messages_received,
-         "messages_rejected": sum(dict(ing.rejected).values()), "bytes_received": ing.bytes_received,
-         "decoded_bytes": ing.decoded_bytes, "dropped_full": ring.dropped_full,
-         "dropped_stale": ring.dropped_stale + ing.dropped_stale, "dropped_incarnation": ing.dropped_incarnation,
-         "ring_ready_batches": ring.ready_batches(), "ring_waiting_trajectories": ring.waiting_trajectories()}
+    c = {
+        "env_steps": ing.env_steps,
+        "episodes": ing.episodes,
+        "trajectories_received": ing.trajectories_received,
+        "trajectories_rejected": ing.trajectories_rejected,
+        "messages_received": ing.messages_received,
+        "messages_rejected": sum(dict(ing.rejected).values()),
+        "bytes_received": ing.bytes_received,
+        "decoded_bytes": ing.decoded_bytes,
+        "dropped_full": ring.dropped_full,
+        "dropped_stale": ring.dropped_stale + ing.dropped_stale,
+        "dropped_incarnation": ing.dropped_incarnation,
+        "ring_ready_batches": ring.ready_batches(),
+        "ring_waiting_trajectories": ring.waiting_trajectories(),
+    }
     c["trajectories_dropped"] = c["dropped_full"] + c["dropped_stale"] + c["dropped_incarnation"]
     return c
 
@@ -113,8 +140,10 @@ class RankWatch:
                 return
             now = time.monotonic()
             if stop is not None and stop["rank"] != me:
-                self._stop(f"learner rank {stop['rank']} stopped: {stop['reason']}",
-                           0 if stop["code"] == 0 else EXIT_RANK_FAILED)
+                self._stop(
+                    f"learner rank {stop['rank']} stopped: {stop['reason']}",
+                    0 if stop["code"] == 0 else EXIT_RANK_FAILED,
+                )
             for r, child in enumerate(group.children, start=1):
                 if child.poll() is not None:
                     code = child.returncode
@@ -127,8 +156,11 @@ class RankWatch:
                         self._heard[r] = (beats[r]["seq"], now)
                 last = self._heard.get(r, (None, started))[1]
                 if now - last > cfg.ranks.rank_heartbeat_timeout_s:
-                    self._stop(f"learner rank {r} silent for {now - last:.1f} s (rank_heartbeat_timeout_s="
-                               f"{cfg.ranks.rank_heartbeat_timeout_s:g}): dead or hung", EXIT_RANK_FAILED)
+                    self._stop(
+                        f"learner rank {r} silent for {now - last:.1f} s (rank_heartbeat_timeout_s="
+                        f"{cfg.ranks.rank_heartbeat_timeout_s:g}): dead or hung",
+                        EXIT_RANK_FAILED,
+                    )
                     if r <= len(group.children) and group.children[r - 1].poll() is None:
                         group.children[r - 1].kill()  # hung: it has nothing to save, and its peers wait for it
             self._wake.wait(cfg.ranks.rank_heartbeat_interval_s)
@@ -138,12 +170,16 @@ class RankWatch:
         """Why the training thread failed: a peer that died or stopped (found by this thread, given a moment), or the
         failed collective itself, or this rank's own error."""
         from .learn import CollectiveError
+
         if not isinstance(error, CollectiveError):
             return f"training failed: {error!r}", 1
         self._wake.set()
         self._found.wait(3 * self.cfg.ranks.rank_heartbeat_interval_s)
         if self.diagnosis is not None:
             return self.diagnosis
-        return (f"the learner ranks' gradient all-reduce failed (a rank left, or waited more than "
-                f"rank_collective_timeout_s={self.cfg.ranks.rank_collective_timeout_s:g} s for another's batch): "
-                f"{str(error)[:200]}", EXIT_RANK_FAILED)
+        return (
+            f"the learner ranks' gradient all-reduce failed (a rank left, or waited more than "
+            f"rank_collective_timeout_s={self.cfg.ranks.rank_collective_timeout_s:g} s for another's batch): "
+            f"{str(error)[:200]}",
+            EXIT_RANK_FAILED,
+        )

@@ -48,9 +48,21 @@ EXIT_ERROR, EXIT_NO_CHECKPOINT = 1, 5  # 3 and 4: periodic.py
 
 
 class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
-    def __init__(self, cfg: LearnerConfig, learner: Learner, spec: TrajectorySpec, run_info: dict, logdir: Path,
-                 *, start_monotonic: float, actors: ActorProcesses | None = None, resumed: dict | None = None,
-                 keys=None, ranks: RankGroup | None = None, config_layers: dict | None = None):
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        learner: Learner,
+        spec: TrajectorySpec,
+        run_info: dict,
+        logdir: Path,
+        *,
+        start_monotonic: float,
+        actors: ActorProcesses | None = None,
+        resumed: dict | None = None,
+        keys=None,
+        ranks: RankGroup | None = None,
+        config_layers: dict | None = None,
+    ):
         """``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP authentication. ``ranks``: this
         learner is one rank of several (ranks.py); only rank 0 (the lead) publishes, reports and checkpoints."""
         self.cfg, self.learner, self.spec, self.run_info = cfg, learner, spec, run_info
@@ -62,19 +74,37 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
         self.device = learner.device
         self.actors = actors
         self.t0 = start_monotonic
-        self.ring = TrajectoryRing(spec, cfg.loss.batch_size, cfg.ring.ring_batches, pin_memory=self.device.type == "cuda",
-                                   drop_when_full=cfg.ring.when_full == "drop_oldest")
-        self.trainer = Trainer(learner, self.ring, max_policy_lag=cfg.ring.max_policy_lag, ingest_only=bool(cfg.run.ingest_only),
-                               overlap_copies=bool(cfg.run.overlap_copies), on_update=self._on_update,
-                               after_update=self._after_update, on_exit=self._on_trainer_exit)
+        self.ring = TrajectoryRing(
+            spec,
+            cfg.loss.batch_size,
+            cfg.ring.ring_batches,
+            pin_memory=self.device.type == "cuda",
+            drop_when_full=cfg.ring.when_full == "drop_oldest",
+        )
+        self.trainer = Trainer(
+            learner,
+            self.ring,
+            max_policy_lag=cfg.ring.max_policy_lag,
+            ingest_only=bool(cfg.run.ingest_only),
+            overlap_copies=bool(cfg.run.overlap_copies),
+            on_update=self._on_update,
+            after_update=self._after_update,
+            on_exit=self._on_trainer_exit,
+        )
         # A learner run's incarnation: it travels with the weights, and trajectories acted with them carry it back,
         # so that messages acted under an earlier run's weights (after a restart) are told apart from forged ones.
         self.incarnation = wire.new_incarnation() if ranks is None else ranks.incarnation  # rank 0's, on every rank
         # Rank 0 publishes a version once it has made the update; another rank may finish that same update a moment
         # later (lock step: never more than one behind), so it accepts one version ahead of its own.
         ahead = 0 if self.lead else 1
-        self.ingest = Ingest(cfg, spec, self.ring, lambda: self.trainer.policy_version + ahead, self.incarnation,
-                             identities=keys is not None)
+        self.ingest = Ingest(
+            cfg,
+            spec,
+            self.ring,
+            lambda: self.trainer.policy_version + ahead,
+            self.incarnation,
+            identities=keys is not None,
+        )
         self.wall_offset_s = 0.0
         if resumed:
             self._restore(resumed)
@@ -82,10 +112,14 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
         self.curriculum = curriculum.from_config(cfg)
         self.difficulty: float | None = None  # the value sent with the latest weights
         # Flow control: the pace sent with the weights (pacing.py); told of arrivals by ingest, of batches here.
-        self.pacer = Pacer(cfg.ring.pace_target_batches * cfg.loss.batch_size if cfg.ring.flow_control == "pace" else 0,
-                           cfg.ring.pace_window_s, cfg.ring.max_pace_s_per_trajectory,
-                           capacity_trajectories=cfg.ring.ring_batches * cfg.loss.batch_size,
-                           max_tracked_senders=cfg.limits.max_tracked_actors, ranks=cfg.ranks.learner_ranks)
+        self.pacer = Pacer(
+            cfg.ring.pace_target_batches * cfg.loss.batch_size if cfg.ring.flow_control == "pace" else 0,
+            cfg.ring.pace_window_s,
+            cfg.ring.max_pace_s_per_trajectory,
+            capacity_trajectories=cfg.ring.ring_batches * cfg.loss.batch_size,
+            max_tracked_senders=cfg.limits.max_tracked_actors,
+            ranks=cfg.ranks.learner_ranks,
+        )
         self._waited_s = 0.0  # the training thread's wait for batches, at the last update
         self.ingest.pacer = self.pacer
         self.watch = CollapseWatch.from_config(cfg, spec.num_actions, fresh=not resumed)
@@ -135,20 +169,28 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
             self.pull.setsockopt(zmq.RCVBUF, cfg.network.receive_buffer_bytes)
         self.pull.setsockopt(zmq.MAXMSGSIZE, cfg.limits.max_message_bytes)
         self.pull.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.network.handshake_timeout_s * 1000))
-        if cfg.network.peer_timeout_s > 0:  # a peer gone without closing its connection stops counting against the limits
+        if (
+            cfg.network.peer_timeout_s > 0
+        ):  # a peer gone without closing its connection stops counting against the limits
             self.pull.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.network.peer_timeout_s * 1000 / 3)))
             self.pull.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.network.peer_timeout_s * 1000))
         self.pull.setsockopt(zmq.LINGER, 0)
         if secure is not None:
             secure(self.pull)
-        self.pull_guard = ConnectionGuard("trajectories", self.pull, max_connections=cfg.limits.max_connections,
-                                          max_unread_bytes=cfg.limits.max_unread_bytes_per_connection,
-                                          max_unread_bytes_total=cfg.limits.max_unread_bytes_total)
+        self.pull_guard = ConnectionGuard(
+            "trajectories",
+            self.pull,
+            max_connections=cfg.limits.max_connections,
+            max_unread_bytes=cfg.limits.max_unread_bytes_per_connection,
+            max_unread_bytes_total=cfg.limits.max_unread_bytes_total,
+        )
         self.publisher = WeightsPublisher(self.ctx, cfg, secure)
         self.pull.bind(cfg.network.listen)
         self.listen_endpoint = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         # Only rank 0 publishes; another rank's publisher is bound where nobody can reach it.
-        self.publish_endpoint = self.publisher.bind(cfg.network.publish if self.lead else "inproc://unpublished-weights")
+        self.publish_endpoint = self.publisher.bind(
+            cfg.network.publish if self.lead else "inproc://unpublished-weights"
+        )
         addresses = [self.listen_endpoint] if self.ranks is None else self.ranks.share_address(self.listen_endpoint)
         if self.lead:  # every rank's trajectory address, in rank order (docs/protocol.md, Transport)
             self.run_info["trajectory_addresses"] = addresses
@@ -171,11 +213,19 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
         if not self.lead:
             return
         prom.start(self)  # TensorBoard writer, /metrics and /healthz, if asked for
-        log.info("learner: trajectories in on %s, weights out on %s, logdir %s, device %s%s",
-                 self.listen_endpoint, self.publish_endpoint, self.logdir, self.device,
-                 ", ingest only" if self.cfg.run.ingest_only else "")
-        print(f"impala-async learner listening: --learner {self.listen_endpoint} --weights {self.publish_endpoint}"
-              + (f" (learner ranks: {' '.join(addresses)})" if len(addresses) > 1 else ""), flush=True)
+        log.info(
+            "learner: trajectories in on %s, weights out on %s, logdir %s, device %s%s",
+            self.listen_endpoint,
+            self.publish_endpoint,
+            self.logdir,
+            self.device,
+            ", ingest only" if self.cfg.run.ingest_only else "",
+        )
+        print(
+            f"impala-async learner listening: --learner {self.listen_endpoint} --weights {self.publish_endpoint}"
+            + (f" (learner ranks: {' '.join(addresses)})" if len(addresses) > 1 else ""),
+            flush=True,
+        )
         if self.actors is not None:
             self.actors.start()
 
@@ -189,13 +239,20 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
         if self.keys is None:
             return None
         from ..ops import auth
+
         self.auth = auth.start_thread_authenticator(self.ctx, self.keys)
         log.info("CURVE on: %d allowed actor key(s)", len(self.keys.allowed))
         return lambda sock: auth.make_curve_server(sock, self.keys)
 
     async def _main(self) -> None:
-        loops = (self._receive_loop(), self._republish_loop(), self._watch_loop(), self._loop_lag_loop(),
-                 self._guard_loop(), *([self._report_loop()] if self.lead else []))
+        loops = (
+            self._receive_loop(),
+            self._republish_loop(),
+            self._watch_loop(),
+            self._loop_lag_loop(),
+            self._guard_loop(),
+            *([self._report_loop()] if self.lead else []),
+        )
         tasks = [asyncio.create_task(c) for c in loops]
         stop = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -272,6 +329,7 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
             self.publisher.close()
             if self.auth is not None:
                 from ..ops import auth
+
                 auth.stop_authenticator(self.auth)
             self.ctx.term()
             if hasattr(self, "metrics"):
@@ -365,7 +423,9 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
         if self.lead and now - self._last_checkpoint >= self.cfg.checkpoints.checkpoint_interval_s:
             self._last_checkpoint = now
             if self._try_checkpoint() is None:  # retried sooner than the next regular one; training goes on
-                self._last_checkpoint = now - self.cfg.checkpoints.checkpoint_interval_s + self.cfg.checkpoints.checkpoint_retry_interval_s
+                self._last_checkpoint = (
+                    now - self.cfg.checkpoints.checkpoint_interval_s + self.cfg.checkpoints.checkpoint_retry_interval_s
+                )
         if self.learner.env_steps_trained >= self.cfg.run.total_env_steps:  # with ranks: all after the same update
             self._loop.call_soon_threadsafe(self.request_stop, "total_env_steps reached", 0)
             return True
@@ -373,8 +433,9 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
 
     def _on_trainer_exit(self, error: BaseException | None) -> None:
         if error is not None:
-            reason, code = (f"training failed: {error!r}", EXIT_ERROR) if self.ranks is None else \
-                self.ranks.explain(error)
+            reason, code = (
+                (f"training failed: {error!r}", EXIT_ERROR) if self.ranks is None else self.ranks.explain(error)
+            )
             self._loop.call_soon_threadsafe(self.request_stop, reason, code)
 
     def _encode_weights(self) -> bytes | None:
@@ -389,5 +450,11 @@ class LearnerServer(PeriodicTasks, checkpoint.Checkpointing):
         if self.curriculum is not None:
             self.difficulty = self.curriculum.value(totals(self)[0]["episodes"])  # every rank's episodes
         pace = self.pacer.pace(self.ring.waiting_trajectories())
-        return wire.encode_weights(self.trainer.policy_version, state, self.run_info, self.incarnation,
-                                   difficulty=self.difficulty, pace_s_per_trajectory=pace)
+        return wire.encode_weights(
+            self.trainer.policy_version,
+            state,
+            self.run_info,
+            self.incarnation,
+            difficulty=self.difficulty,
+            pace_s_per_trajectory=pace,
+        )

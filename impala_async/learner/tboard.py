@@ -61,9 +61,15 @@ def rho_histogram(record: dict) -> dict | None:
     top = uppers[full[-1]] if full[-1] < len(edges) - 1 else edges[-1] * OPEN_BIN_DRAWN_TO
     num = float(sum(counts))
     mean = record.get("rho_mean")
-    return {"min": float(edges[full[0]]), "max": float(top), "num": num,
-            "sum": float(mean) * num if mean is not None else 0.0, "sum_squares": 0.0,
-            "bucket_limits": [float(u) for u in uppers[:len(counts)]], "bucket_counts": [float(c) for c in counts]}
+    return {
+        "min": float(edges[full[0]]),
+        "max": float(top),
+        "num": num,
+        "sum": float(mean) * num if mean is not None else 0.0,
+        "sum_squares": 0.0,
+        "bucket_limits": [float(u) for u in uppers[: len(counts)]],
+        "bucket_counts": [float(c) for c in counts],
+    }
 
 
 class TensorBoardWriter:
@@ -87,8 +93,11 @@ class TensorBoardWriter:
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 100 == 0:
-                log.warning("TensorBoard writer behind: %d metrics records dropped so far (max_tensorboard_queue_"
-                            "records=%d)", self.dropped, self._queue.maxsize)
+                log.warning(
+                    "TensorBoard writer behind: %d metrics records dropped so far (max_tensorboard_queue_records=%d)",
+                    self.dropped,
+                    self._queue.maxsize,
+                )
 
     def close(self, timeout_s: float) -> None:
         """Write what is queued, flush and close the event file, within ``timeout_s`` (then give up)."""

@@ -30,9 +30,18 @@ class Staged(NamedTuple):
 
 
 class Trainer:
-    def __init__(self, learner: Learner, ring: TrajectoryRing, *, max_policy_lag: int, ingest_only: bool = False,
-                 overlap_copies: bool = True, on_update: Callable[[int, dict, object], None],
-                 after_update: Callable[[], bool], on_exit: Callable[[BaseException | None], None]):
+    def __init__(
+        self,
+        learner: Learner,
+        ring: TrajectoryRing,
+        *,
+        max_policy_lag: int,
+        ingest_only: bool = False,
+        overlap_copies: bool = True,
+        on_update: Callable[[int, dict, object], None],
+        after_update: Callable[[], bool],
+        on_exit: Callable[[BaseException | None], None],
+    ):
         """``on_update(version, stats, lag)`` records an update; ``after_update()`` runs after each batch (publish,
         checkpoint) and returns True to stop; ``on_exit(error)`` runs when the thread ends."""
         self.learner, self.ring = learner, ring
@@ -139,6 +148,10 @@ class Trainer:
             self.error = e
             log.exception("training thread failed")
         finally:
-            log.info("training thread ends after %d batches (policy version %d)%s", self.batches,
-                     self.policy_version, f": {self.error!r}" if self.error else "")
+            log.info(
+                "training thread ends after %d batches (policy version %d)%s",
+                self.batches,
+                self.policy_version,
+                f": {self.error!r}" if self.error else "",
+            )
             self._on_exit(self.error)

@@ -26,8 +26,16 @@ SMOOTH_REPORTS = 3  # the median of this many reports is what the thresholds are
 
 
 class CollapseWatch:
-    def __init__(self, *, entropy_fraction: float, window_updates: int, rho_far_frac: float, warn_interval_s: float,
-                 knobs: dict[str, float], initial_entropy: float | None = None):
+    def __init__(
+        self,
+        *,
+        entropy_fraction: float,
+        window_updates: int,
+        rho_far_frac: float,
+        warn_interval_s: float,
+        knobs: dict[str, float],
+        initial_entropy: float | None = None,
+    ):
         """``knobs``: the current ``clip_rho_threshold``, ``entropy_cost`` and ``learning_rate``, quoted in the advice.
         ``initial_entropy``: the entropy at update 0 of a fresh run (None for a resumed one). A fraction of 0 turns
         its warning off."""
@@ -44,11 +52,18 @@ class CollapseWatch:
 
     @classmethod
     def from_config(cls, cfg, num_actions: int, fresh: bool) -> CollapseWatch:
-        return cls(entropy_fraction=cfg.observe.collapse_entropy_fraction, window_updates=cfg.observe.collapse_window_updates,
-                   rho_far_frac=cfg.observe.collapse_rho_far_frac, warn_interval_s=cfg.observe.collapse_warn_interval_s,
-                   knobs={"clip_rho_threshold": cfg.loss.clip_rho_threshold, "entropy_cost": cfg.loss.entropy_cost,
-                          "learning_rate": cfg.loss.learning_rate},
-                   initial_entropy=math.log(num_actions) if fresh and num_actions > 1 else None)
+        return cls(
+            entropy_fraction=cfg.observe.collapse_entropy_fraction,
+            window_updates=cfg.observe.collapse_window_updates,
+            rho_far_frac=cfg.observe.collapse_rho_far_frac,
+            warn_interval_s=cfg.observe.collapse_warn_interval_s,
+            knobs={
+                "clip_rho_threshold": cfg.loss.clip_rho_threshold,
+                "entropy_cost": cfg.loss.entropy_cost,
+                "learning_rate": cfg.loss.learning_rate,
+            },
+            initial_entropy=math.log(num_actions) if fresh and num_actions > 1 else None,
+        )
 
     def feed(self, rec: dict) -> list[str]:
         """Take one metrics record; return the warnings due now (none while rate-limited)."""
@@ -65,14 +80,20 @@ class CollapseWatch:
                 out.append(text)
         if _finite(far):
             self._recent_rho.append(far)
-            if (self.rho_far_threshold > 0 and len(self._recent_rho) == SMOOTH_REPORTS
-                    and median(self._recent_rho) > self.rho_far_threshold and self._due("rho", now)):
+            if (
+                self.rho_far_threshold > 0
+                and len(self._recent_rho) == SMOOTH_REPORTS
+                and median(self._recent_rho) > self.rho_far_threshold
+                and self._due("rho", now)
+            ):
                 lag = rec.get("policy_lag_avg")
-                out.append(f"policy drift: {median(self._recent_rho):.0%} of the importance weights lie outside "
-                           f"[1/2, 2] (over --collapse-rho-far-frac {self.rho_far_threshold:g}): the policy being "
-                           f"trained and the one that acted disagree by a factor of two on that share of the actions"
-                           f"{'' if lag is None else f' (policy lag {lag:g} versions on average)'}, the road to a "
-                           f"policy collapse. {self.advice()}")
+                out.append(
+                    f"policy drift: {median(self._recent_rho):.0%} of the importance weights lie outside "
+                    f"[1/2, 2] (over --collapse-rho-far-frac {self.rho_far_threshold:g}): the policy being "
+                    f"trained and the one that acted disagree by a factor of two on that share of the actions"
+                    f"{'' if lag is None else f' (policy lag {lag:g} versions on average)'}, the road to a "
+                    f"policy collapse. {self.advice()}"
+                )
         return out
 
     def _entropy_cliff(self, steps: int, rec: dict) -> str | None:
@@ -83,17 +104,21 @@ class CollapseWatch:
         if not now < self.entropy_fraction * top:
             return None
         ret = rec.get("episode_return_mean")
-        return (f"policy collapse? the policy's entropy fell from {top:.3g} to {now:.2g} nats within {steps - at} "
-                f"updates (below --collapse-entropy-fraction {self.entropy_fraction:g} of its recent maximum)"
-                f"{'' if ret is None else f'; mean return now {ret:.4g}'}. {self.advice()}")
+        return (
+            f"policy collapse? the policy's entropy fell from {top:.3g} to {now:.2g} nats within {steps - at} "
+            f"updates (below --collapse-entropy-fraction {self.entropy_fraction:g} of its recent maximum)"
+            f"{'' if ret is None else f'; mean return now {ret:.4g}'}. {self.advice()}"
+        )
 
     def advice(self) -> str:
         k = self.knobs
         rho = k["clip_rho_threshold"]
-        return (f"The source article's remedies: keep rho-bar within 0.8-1.2, toward 0.8 "
-                f"(--clip-rho-threshold, now {'off' if rho == 0 else f'{rho:g}'}), raise --entropy-cost (now "
-                f"{k['entropy_cost']:g}), lower --learning-rate (now {k['learning_rate']:g}); metrics.jsonl has the "
-                f"importance weights' histogram (rho_hist)")
+        return (
+            f"The source article's remedies: keep rho-bar within 0.8-1.2, toward 0.8 "
+            f"(--clip-rho-threshold, now {'off' if rho == 0 else f'{rho:g}'}), raise --entropy-cost (now "
+            f"{k['entropy_cost']:g}), lower --learning-rate (now {k['learning_rate']:g}); metrics.jsonl has the "
+            f"importance weights' histogram (rho_hist)"
+        )
 
     def _due(self, kind: str, now: float) -> bool:
         last = self._last_warned.get(kind)

@@ -119,8 +119,10 @@ def keygen(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
     secret_path = directory / f"{name}{SECRET_SUFFIX}"
     for path in (public_path, secret_path):
         if os.path.lexists(path):
-            raise FileExistsError(f"{path} exists; refusing to overwrite a key (delete it first if you mean to "
-                                  f"replace it, and redistribute the new public key)")
+            raise FileExistsError(
+                f"{path} exists; refusing to overwrite a key (delete it first if you mean to "
+                f"replace it, and redistribute the new public key)"
+            )
     public, secret = zmq.curve_keypair()
     _write_new_file(secret_path, _certificate_text(_SECRET_BANNER, public, secret), SECRET_FILE_MODE)
     try:
@@ -147,8 +149,16 @@ def _who(uid: int) -> str:
     return f"uid {uid}" if _user(uid) == str(uid) else f"uid {uid} ({_user(uid)})"
 
 
-def _check(path: str | os.PathLike, what: str, *, is_dir: bool = False, root_ok: bool = True, forbidden: int =
-           WRITABLE_BY_OTHERS, fix: str = "go-w", missing: str = "") -> None:
+def _check(
+    path: str | os.PathLike,
+    what: str,
+    *,
+    is_dir: bool = False,
+    root_ok: bool = True,
+    forbidden: int = WRITABLE_BY_OTHERS,
+    fix: str = "go-w",
+    missing: str = "",
+) -> None:
     """Raise unless ``path`` is a directory (``is_dir``, a link is followed) or a regular file that is not a link,
     owned by the effective uid (or root, with ``root_ok``), with none of the ``forbidden`` mode bits."""
     quoted = shlex.quote(str(path))
@@ -157,21 +167,26 @@ def _check(path: str | os.PathLike, what: str, *, is_dir: bool = False, root_ok:
     except FileNotFoundError:
         raise FileNotFoundError(f"{what} {path} not found{missing}") from None
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafeKeyFileError(f"{what} {path} is a symbolic link: a key file must be a regular file in its key "
-                                 f"directory; replace the link with a copy: rm {quoted} && cp "
-                                 f"{shlex.quote(os.path.realpath(path))} {quoted}")
+        raise UnsafeKeyFileError(
+            f"{what} {path} is a symbolic link: a key file must be a regular file in its key "
+            f"directory; replace the link with a copy: rm {quoted} && cp "
+            f"{shlex.quote(os.path.realpath(path))} {quoted}"
+        )
     if not (stat.S_ISDIR if is_dir else stat.S_ISREG)(st.st_mode):
         raise ValueError(f"{what} {path} is not a {'directory' if is_dir else 'regular file'}")
     me = os.geteuid()
     if st.st_uid != me and not (root_ok and st.st_uid == 0):
-        raise UnsafeKeyFileError(f"{what} {path} is owned by {_who(st.st_uid)}, not by {_who(me)} that runs "
-                                 f"impala-async{' or by root' if root_ok and me != 0 else ''}; fix it with: "
-                                 f"chown {_user(me)} {quoted}")
+        raise UnsafeKeyFileError(
+            f"{what} {path} is owned by {_who(st.st_uid)}, not by {_who(me)} that runs "
+            f"impala-async{' or by root' if root_ok and me != 0 else ''}; fix it with: "
+            f"chown {_user(me)} {quoted}"
+        )
     mode = stat.S_IMODE(st.st_mode)
     if mode & forbidden:
         access = "writable" if forbidden == WRITABLE_BY_OTHERS else "accessible"
-        raise UnsafeKeyFileError(f"{what} {path} is {access} by group or others (mode {mode:04o}); fix it with: "
-                                 f"chmod {fix} {quoted}")
+        raise UnsafeKeyFileError(
+            f"{what} {path} is {access} by group or others (mode {mode:04o}); fix it with: chmod {fix} {quoted}"
+        )
 
 
 def check_key_directory(path: str | os.PathLike, what: str = "key directory") -> None:
@@ -186,8 +201,9 @@ def check_secret_file(path: str | os.PathLike) -> None:
     FileNotFoundError if it is missing; UnsafeKeyFileError (a PermissionError) saying ``chown`` if another user owns
     it, ``chmod 600`` if group or others have any access, and how to replace a symbolic link by a copy.
     """
-    _check(path, "secret key file", root_ok=False, forbidden=stat.S_IRWXG | stat.S_IRWXO, fix="600",
-           missing=_KEYGEN_HINT)
+    _check(
+        path, "secret key file", root_ok=False, forbidden=stat.S_IRWXG | stat.S_IRWXO, fix="600", missing=_KEYGEN_HINT
+    )
 
 
 def check_public_file(path: str | os.PathLike) -> None:
@@ -225,27 +241,33 @@ def _load_public_key(path: Path) -> bytes:
     check_public_file(path)
     public, secret = load_certificate(path)
     if secret is not None:
-        raise ValueError(f"{path} contains a secret key; a .key file must hold only the public key (use the "
-                         f"{PUBLIC_SUFFIX} file keygen wrote, not the {SECRET_SUFFIX} file)")
+        raise ValueError(
+            f"{path} contains a secret key; a .key file must hold only the public key (use the "
+            f"{PUBLIC_SUFFIX} file keygen wrote, not the {SECRET_SUFFIX} file)"
+        )
     return _check_z85_key(public, "public key", path)
 
 
 def _load_allowed(allowed_dir: Path) -> dict[bytes, str]:
     """Map each ``allowed_dir/NAME.key``'s z85 public key to NAME; refuse a missing or empty directory."""
     if not allowed_dir.is_dir():
-        raise ValueError(f"{allowed_dir} does not exist: with CURVE the learner admits only actors whose public keys "
-                         f"are in it, so nobody could connect. Copy each actor's actor.key there as NAME.key")
+        raise ValueError(
+            f"{allowed_dir} does not exist: with CURVE the learner admits only actors whose public keys "
+            f"are in it, so nobody could connect. Copy each actor's actor.key there as NAME.key"
+        )
     check_key_directory(allowed_dir, "allowed-keys directory")
     allowed: dict[bytes, str] = {}
     for path in sorted(allowed_dir.glob(f"*{PUBLIC_SUFFIX}")):
-        key, name = _load_public_key(path), path.name[:-len(PUBLIC_SUFFIX)]
+        key, name = _load_public_key(path), path.name[: -len(PUBLIC_SUFFIX)]
         if key in allowed:
             raise ValueError(f"{path} holds the same key as {allowed[key]}{PUBLIC_SUFFIX}: one key, one name")
         allowed[key] = name
     if not allowed:
-        raise ValueError(f"{allowed_dir} holds no *{PUBLIC_SUFFIX} file: with CURVE the learner admits only actors "
-                         f"whose public keys are there, so nobody could connect. Copy each actor's actor.key there "
-                         f"as NAME.key")
+        raise ValueError(
+            f"{allowed_dir} holds no *{PUBLIC_SUFFIX} file: with CURVE the learner admits only actors "
+            f"whose public keys are there, so nobody could connect. Copy each actor's actor.key there "
+            f"as NAME.key"
+        )
     return allowed
 
 
@@ -307,8 +329,10 @@ def _enforce_zap(socket: zmq.Socket) -> None:
             return
         except zmq.ZMQError:
             pass
-    log.warning("this libzmq lacks ZAP_ENFORCE_DOMAIN: any client key is admitted unless the authenticator "
-                "runs; start it before binding and keep it running until the socket is closed")
+    log.warning(
+        "this libzmq lacks ZAP_ENFORCE_DOMAIN: any client key is admitted unless the authenticator "
+        "runs; start it before binding and keep it running until the socket is closed"
+    )
 
 
 def make_curve_client(socket: zmq.Socket, keys: ActorKeys) -> None:
@@ -392,7 +416,8 @@ def refuse_insecure(listen: str, publish: str, curve: bool, insecure: bool) -> N
         raise ValueError(
             f"refusing to bind {' and '.join(exposed)} without CURVE: anyone who can reach it could push "
             f"trajectories into training and read the weights. Give --curve-keys DIR (keys from "
-            f"`impala-async keygen DIR`), or bind to 127.0.0.1, or pass --insecure 1 on a network you trust")
+            f"`impala-async keygen DIR`), or bind to 127.0.0.1, or pass --insecure 1 on a network you trust"
+        )
 
 
 def local_actor_keys(keys: LearnerKeys, directory: Path) -> tuple[Path, LearnerKeys]:
@@ -408,7 +433,8 @@ def local_actor_keys(keys: LearnerKeys, directory: Path) -> tuple[Path, LearnerK
     for stale in (f"{ACTOR_NAME}{PUBLIC_SUFFIX}", f"{ACTOR_NAME}{SECRET_SUFFIX}", f"{LEARNER_NAME}{PUBLIC_SUFFIX}"):
         (directory / stale).unlink(missing_ok=True)
     public_path, _ = keygen(directory, ACTOR_NAME)
-    _write_new_file(directory / f"{LEARNER_NAME}{PUBLIC_SUFFIX}", _certificate_text(_PUBLIC_BANNER, keys.public),
-                    PUBLIC_FILE_MODE)
+    _write_new_file(
+        directory / f"{LEARNER_NAME}{PUBLIC_SUFFIX}", _certificate_text(_PUBLIC_BANNER, keys.public), PUBLIC_FILE_MODE
+    )
     allowed = {**keys.allowed, _load_public_key(public_path): "local"}
     return directory, LearnerKeys(public=keys.public, secret=keys.secret, allowed=allowed)

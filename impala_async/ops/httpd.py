@@ -26,8 +26,16 @@ from typing import NamedTuple
 
 log = logging.getLogger("impala_async.ops.httpd")
 
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 408: "Request Timeout",
-            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 class Response(NamedTuple):
@@ -53,8 +61,17 @@ def metrics_route(registry) -> Route:
 class HttpServer:
     """Serves ``routes`` (path -> function returning a :class:`Response`, called on the connection's thread)."""
 
-    def __init__(self, host: str, port: int, routes: dict[str, Route], *, max_connections: int,
-                 request_timeout_s: float, max_request_bytes: int = 8192, name: str = "metrics"):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        routes: dict[str, Route],
+        *,
+        max_connections: int,
+        request_timeout_s: float,
+        max_request_bytes: int = 8192,
+        name: str = "metrics",
+    ):
         self.host, self.port, self.routes, self.name = host, port, dict(routes), name
         self.request_timeout_s = request_timeout_s
         self.max_request_bytes = max_request_bytes  # a longer request head (request line and headers) is refused
@@ -86,11 +103,19 @@ class HttpServer:
         self._thread.start()
         bound = sock.getsockname()
         if not is_loopback(bound[0]):
-            log.warning("%s: http://%s is plain HTTP without authentication, reachable from other machines: anyone "
-                        "who reaches it reads the metrics; keep it behind a firewall or NetworkPolicy (README, "
-                        "Operations)", self.name, _join_host_port(bound[0], bound[1]))
-        log.info("%s: serving %s on http://%s", self.name, ", ".join(sorted(self.routes)),
-                 _join_host_port(bound[0], bound[1]))
+            log.warning(
+                "%s: http://%s is plain HTTP without authentication, reachable from other machines: anyone "
+                "who reaches it reads the metrics; keep it behind a firewall or NetworkPolicy (README, "
+                "Operations)",
+                self.name,
+                _join_host_port(bound[0], bound[1]),
+            )
+        log.info(
+            "%s: serving %s on http://%s",
+            self.name,
+            ", ".join(sorted(self.routes)),
+            _join_host_port(bound[0], bound[1]),
+        )
         return bound[0], bound[1]
 
     @property
@@ -202,8 +227,10 @@ def _read_request(conn: socket.socket, deadline: float, max_bytes: int) -> tuple
 
 
 def _encode(r: Response, head_only: bool) -> bytes:
-    header = (f"HTTP/1.0 {r.status} {_REASONS.get(r.status, '')}\r\nContent-Type: {r.content_type}\r\n"
-              f"Content-Length: {len(r.body)}\r\nConnection: close\r\nCache-Control: no-store\r\n\r\n").encode()
+    header = (
+        f"HTTP/1.0 {r.status} {_REASONS.get(r.status, '')}\r\nContent-Type: {r.content_type}\r\n"
+        f"Content-Length: {len(r.body)}\r\nConnection: close\r\nCache-Control: no-store\r\n\r\n"
+    ).encode()
     return header if head_only else header + r.body
 
 
