@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import resource
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from impala_async.config.resolve import Probe, resolve
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner import checkpoint
 from impala_async.learner.learn import Learner
-from impala_async.learner.server import LearnerServer
+from impala_async.learner.weights import Publication
 
 
 class Exhausted:
@@ -43,58 +42,84 @@ class Exhausted:
         resource.setrlimit(resource.RLIMIT_NOFILE, self.saved)
 
 
-def _server(tmp_path) -> LearnerServer:
+def _parts(tmp_path):
+    """The learner's checkpoints and weights publication, built as the server builds them (server.py)."""
     spec = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
     cfg = LearnerConfig.of(checkpoint_interval_s=600, checkpoint_retry_interval_s=10).check()
     cfg = resolve(Layered(cfg), default_listen="tcp://127.0.0.1:*", probe=Probe(None, spec.trajectory_nbytes)).cfg
     learner = Learner(cfg, spec, torch.device("cpu"))
-    server = LearnerServer(cfg, learner, spec, {}, tmp_path, start_monotonic=time.monotonic())
-    server.checkpoints = checkpoint.CheckpointWriter(tmp_path, keep=3)  # what _startup does
-    return server
+
+    def state():
+        return checkpoint.learner_state(
+            learner,
+            policy_version=0,
+            env_steps=learner.env_steps_trained,
+            episodes=0,
+            returns=[],
+            lengths=[],
+            wall_s=0.0,
+            config=cfg.flat(),
+            config_layers={},
+            spec=spec.to_dict(),
+            torch_rng=torch.get_rng_state(),
+        )
+
+    checkpoints = checkpoint.Checkpoints(tmp_path, cfg.checkpoints, learner, collect=state)
+    publication = Publication(
+        learner.model,
+        {},
+        1,
+        version=lambda: 0,
+        difficulty=lambda: None,
+        pace=lambda: 0.0,
+        publish=lambda data: None,
+        interval_s=0.0,
+    )
+    return learner, checkpoints, publication
 
 
 def test_a_checkpoint_is_written_with_no_descriptor_free_and_a_failure_is_reported_not_raised(tmp_path):
-    server = _server(tmp_path)
+    learner, checkpoints, _ = _parts(tmp_path)
     try:
         with Exhausted() as ex:
             with pytest.raises(OSError):
                 open(tmp_path / "anything", "w")  # noqa: SIM115 (the point: nothing can be opened)
-            first = server._try_checkpoint()  # the descriptors it needs were opened in advance
+            first = checkpoints.try_save()  # the descriptors it needs were opened in advance
             assert first is not None and first.exists()
-            assert server.checkpoint_failures == 0
+            assert checkpoints.failures == 0
             # It freed its temporary file's descriptor and took it again for the next one: the reserve holds.
-            server.learner.env_steps_trained += 5
-            assert server._try_checkpoint() is not None
+            learner.env_steps_trained += 5
+            assert checkpoints.try_save() is not None
             # Without that reserve (say a descriptor-hungry library grabbed the free slot) the save fails:
             # reported and counted, not raised.
-            fd, name = server.checkpoints._next
+            fd, name = checkpoints.writer._next
             os.close(fd)
             os.unlink(tmp_path / name)
-            server.checkpoints._next = None
+            checkpoints.writer._next = None
             ex.fds.append(os.open(os.devnull, os.O_RDONLY))  # the slot just freed
-            server.learner.env_steps_trained += 5
-            second = server._try_checkpoint()
-            assert second is None and server.checkpoint_failures == 1
-        server.learner.env_steps_trained += 5
-        third = server._try_checkpoint()  # descriptors again: the retry succeeds
-        assert third is not None and server.checkpoint_failures == 1
+            learner.env_steps_trained += 5
+            second = checkpoints.try_save()
+            assert second is None and checkpoints.failures == 1
+        learner.env_steps_trained += 5
+        third = checkpoints.try_save()  # descriptors again: the retry succeeds
+        assert third is not None and checkpoints.failures == 1
         state, path = checkpoint.load_latest(tmp_path, validate=checkpoint.validate_learner_state)
         assert path == third and state["learner"]["env_steps_trained"] == 15
     finally:
-        server.checkpoints.close()
+        checkpoints.close()
     assert not list(tmp_path.glob(".checkpoint-*.tmp")), "a temporary file outlived the writer"
 
 
 def test_non_finite_weights_are_never_saved(tmp_path):
-    server = _server(tmp_path)
+    learner, checkpoints, publication = _parts(tmp_path)
     try:
         with torch.no_grad():
-            next(server.learner.model.parameters()).fill_(float("nan"))
-        assert server._try_checkpoint() is None and server.checkpoint_failures == 1
+            next(learner.model.parameters()).fill_(float("nan"))
+        assert checkpoints.try_save() is None and checkpoints.failures == 1
         assert checkpoint.list_checkpoints(tmp_path) == []
-        assert server._encode_weights() is None and server.weights_refused_nonfinite == 1
+        assert publication.encode() is None and publication.refused_nonfinite == 1
     finally:
-        server.checkpoints.close()
+        checkpoints.close()
 
 
 def test_archive_checks(tmp_path):

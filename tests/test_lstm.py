@@ -19,7 +19,7 @@ from procutil import cli, free_port_pair, stop, tail
 from impala_async.core import wire
 from impala_async.core.models import ModelConfig, build_model
 from impala_async.core.spec import TrajectorySpec
-from impala_async.learner.learn import recurrent_inputs
+from impala_async.learner.loss import recurrent_inputs
 
 pytest.importorskip("minatar", reason="needs the minatar extra: pip install 'impala-async[minatar]'")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from procutil import cli, free_port_pair, stop, tail, wait_for
+from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
 from prometheus_client import parser
 
 from impala_async import config
@@ -467,3 +467,57 @@ def test_close_stops_serving(small_server):
     assert get(port, "/healthz")[0] == 0
     assert httpd.connect_host("0.0.0.0") == "127.0.0.1" and httpd.is_loopback("::1")
     assert not httpd.is_loopback("10.1.2.3")
+
+
+def test_prometheus_and_metrics_jsonl_agree_under_two_learner_ranks(tmp_path):
+    """Both read the same snapshot per report (learner/counters.py), summed over the ranks: every scrape's
+    env_steps_total and trajectories_received_total are those of one metrics.jsonl record (or of the snapshot before
+    the first one), and the records are rank sums that include rank 1's share. (Before, /metrics said rank 0's.)"""
+    mport, logdir, log = free_port(), tmp_path / "run", tmp_path / "log"
+    proc = cli(
+        "train",
+        "--learner-ranks",
+        "2",
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "8",
+        "--batch-size",
+        "4",
+        "--unroll-length",
+        "10",
+        "--report-interval-s",
+        "0.2",
+        "--total-env-steps",
+        "60000",
+        "--metrics-port",
+        str(mport),
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
+    scraped = []
+    try:
+        while proc.poll() is None:
+            status, body = get(mport, "/metrics", timeout_s=2.0)
+            if status == 200:
+                families = {f.name: f for f in parser.text_string_to_metric_families(body)}
+                if "impala_async_env_steps" in families:
+                    scraped.append(
+                        (
+                            value(families, "impala_async_env_steps_total"),
+                            value(families, "impala_async_trajectories_received_total"),
+                        )
+                    )
+            time.sleep(0.05)
+        assert proc.wait(5) == 0, tail(log)
+    finally:
+        stop(proc)
+    records = read_metrics(logdir)
+    made = {(float(r["env_steps"]), float(r["trajectories_received"])): r for r in records}
+    assert len(scraped) >= 5, tail(log)
+    assert set(scraped) <= {(0.0, 0.0), *made}, sorted(set(scraped) - {(0.0, 0.0), *made})[:5]
+    for r in records:
+        assert r["env_steps"] == sum(r["ranks"]["env_steps"]), r["ranks"]
+    both = [made[s]["ranks"]["env_steps"] for s in scraped if s in made and min(made[s]["ranks"]["env_steps"]) > 0]
+    assert both, "no scrape saw both ranks' steps"  # each such scrape said rank 0's + rank 1's, not rank 0's alone

@@ -63,8 +63,7 @@ def test_every_batch_arrives_whole_and_in_order(device, overlap):
         ring,
         max_policy_lag=10**9,
         overlap_copies=overlap,
-        on_update=lambda version, stats, lag: None,
-        after_update=lambda: len(learner.seen) >= BATCHES,
+        after_update=lambda update: len(learner.seen) >= BATCHES,
         on_exit=lambda error: (exited.append(error), done.set()),
     )
     stop = threading.Event()

@@ -135,7 +135,7 @@ def test_cli_warns_when_a_run_collapses(tmp_path):
     except subprocess.TimeoutExpired:
         stop(proc)
         raise AssertionError(f"train did not finish within 120 s\n{tail(log, 80)}") from None
-    lines = [ln for ln in log.read_text().splitlines() if " W impala_async.learner.server: " in ln]
+    lines = [ln for ln in log.read_text().splitlines() if " W impala_async.learner.watch: " in ln]
     cliffs = [ln for ln in lines if "policy collapse?" in ln]
     assert len(cliffs) == 1, tail(log, 80)
     assert all(k in cliffs[0] for k in KNOBS), cliffs[0]

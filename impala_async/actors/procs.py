@@ -136,6 +136,14 @@ class ActorProcesses:
             and p.poll() is None
         )
 
+    def counters(self) -> dict:
+        """The supervisor's figures (the learner's counters.py, for train's local actors)."""
+        return {
+            "actors_alive": self.alive(),
+            "actor_restarts": self.restarts_total,
+            "actors_replaced_silent": self.replaced_silent,
+        }
+
     def all_given_up(self) -> bool:
         return bool(self._children) and len(self.gave_up) == len(self._children)
 

@@ -19,7 +19,7 @@ from ..core.models import ModelConfig, build_model
 from ..core.spec import TrajectorySpec
 from .vec import VecEnv
 
-log = logging.getLogger("impala_async.actors.actor")
+log = logging.getLogger("impala_async.actors.rollout")
 
 
 class Policy:

@@ -161,6 +161,16 @@ class TrajectoryRing:
         with self._cond:
             return len(self._ready) * self.batch_size + (self._row if self._filling is not None else 0)
 
+    def counters(self) -> dict:
+        """The ring's figures (learner/counters.py): drops by cause, what waits, its size."""
+        return {
+            "dropped_full": self.dropped_full,
+            "ring_dropped_stale": self.dropped_stale,
+            "ring_ready_batches": self.ready_batches(),
+            "ring_waiting_trajectories": self.waiting_trajectories(),
+            "ring_bytes": self.nbytes,
+        }
+
     def close(self) -> None:
         """Wake any reader blocked in :meth:`get`; it returns None from now on once READY batches run out."""
         with self._cond:

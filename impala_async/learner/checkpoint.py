@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .rankwatch import totals
+from ..core.finite import nonfinite
 
 log = logging.getLogger("impala_async.learner.checkpoint")
 _NAME = re.compile(r"^checkpoint-(\d{12})\.pt$")
@@ -220,9 +220,9 @@ def validate_learner_state(state: dict) -> None:
     if not inner["model"] or not all(isinstance(t, torch.Tensor) for t in inner["model"].values()):
         raise ValueError("learner.model holds no tensors")
     for where, tensors in (("model", inner["model"].items()), ("optimizer", _tensors(inner["optimizer"]))):
-        for name, t in tensors:
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"non-finite values in {where} tensor {name}")
+        bad = nonfinite(tensors)
+        if bad:
+            raise ValueError(f"non-finite values in {where} tensor {bad[0]}")
     if not all(isinstance(x, float | int) and not isinstance(x, bool) for x in state["returns"] + state["lengths"]):
         raise ValueError("returns and lengths must be lists of numbers")
 
@@ -239,65 +239,91 @@ def _tensors(tree, prefix: str = ""):
             yield from _tensors(v, f"{prefix}[{i}]")
 
 
-class Checkpointing:
-    """The learner server's checkpoints: what goes in one, saving it (never with non-finite weights), failures
-    reported and retried, restoring a resumed run's counters. A mixin of
-    :class:`~impala_async.learner.server.LearnerServer` (its attributes are the server's)."""
+def learner_state(
+    learner,
+    *,
+    policy_version: int,
+    env_steps: int,
+    episodes: int,
+    returns: list,
+    lengths: list,
+    wall_s: float,
+    config: dict,
+    config_layers: dict,
+    spec: dict,
+    torch_rng,
+) -> dict:
+    """What a learner checkpoint holds (validate_learner_state checks it at resume): the network and optimizer, the
+    run's counters, its configuration (by flag name) with the layer of each value, the trajectory spec, torch's RNG."""
+    return {
+        "learner": learner.state_dict(),
+        "policy_version": policy_version,
+        "env_steps": env_steps,
+        "episodes": episodes,
+        "returns": returns,
+        "lengths": lengths,
+        "wall_s": wall_s,
+        "config": config,
+        "config_layers": config_layers,
+        "spec": spec,
+        "torch_rng": torch_rng,
+    }
 
-    def checkpoint_state(self) -> dict:
-        ing, summed = self.ingest, totals(self)[0]  # env steps and episodes of every rank
-        return {
-            "learner": self.learner.state_dict(),
-            "policy_version": self.trainer.policy_version,
-            "env_steps": summed["env_steps"],
-            "episodes": summed["episodes"],
-            "returns": list(ing.returns),
-            "lengths": list(ing.lengths),
-            "wall_s": self.wall_offset_s + time.monotonic() - self.t0,
-            "config": self.cfg.flat(),
-            "config_layers": dict(self.config_layers),
-            "spec": self.spec.to_dict(),
-            "torch_rng": torch.get_rng_state(),
-        }
 
-    def save_checkpoint(self) -> Path:
+class Checkpoints:
+    """The learner's checkpoints: every ``checkpoint_interval_s`` (from the training thread, between updates) and a
+    final one, never with non-finite weights; a failure (disk full, no file descriptor) is reported, counted and
+    retried after ``checkpoint_retry_interval_s`` while training goes on. ``collect()`` gives the state to save."""
+
+    def __init__(self, directory: Path, section, learner, *, collect: Callable[[], dict]):
+        self.section, self.learner, self._collect = section, learner, collect
+        self.writer = CheckpointWriter(directory, section.checkpoint_keep)
+        self.failures = 0
+        self._last = time.monotonic()
+
+    def counters(self) -> dict:
+        return {"checkpoint_failures": self.failures}
+
+    def save(self) -> Path:
         """Write a checkpoint; raises if the weights are not finite (such a checkpoint is never written) or the write
         fails."""
         with self.learner.apply_lock:  # never while an update is applied (a training thread stuck in a collective)
             if not self.learner.parameters_finite():
                 raise ValueError("the weights are not finite")
-            return self.checkpoints.save(self.checkpoint_state(), self.learner.env_steps_trained)
+            return self.writer.save(self._collect(), self.learner.env_steps_trained)
 
-    def _try_checkpoint(self) -> Path | None:
-        """save_checkpoint, with a failure (disk full, no file descriptor) reported and counted, not raised."""
+    def try_save(self) -> Path | None:
+        """save(), with a failure reported and counted, not raised."""
         try:
-            return self.save_checkpoint()
+            return self.save()
         except Exception as e:
-            self.checkpoint_failures += 1
+            self.failures += 1
             log.error(
                 "checkpoint failed (%d so far; retrying in %g s, training goes on): %s: %s",
-                self.checkpoint_failures,
-                self.cfg.checkpoints.checkpoint_retry_interval_s,
+                self.failures,
+                self.section.checkpoint_retry_interval_s,
                 type(e).__name__,
                 e,
             )
             return None
 
-    def _final_checkpoint(self, attempts: int = 3) -> Path | None:
+    def after_update(self, now: float) -> None:
+        """A checkpoint if one is due (training thread); after a failure, the next try comes sooner."""
+        interval_s = self.section.checkpoint_interval_s
+        if now - self._last < interval_s:
+            return
+        self._last = now
+        if self.try_save() is None:  # retried sooner than the next regular one; training goes on
+            self._last = now - interval_s + self.section.checkpoint_retry_interval_s
+
+    def final(self, shutdown_timeout_s: float, attempts: int = 3) -> Path | None:
         for i in range(attempts):
-            path = self._try_checkpoint()
+            path = self.try_save()
             if path is not None:
                 return path
             if i + 1 < attempts:
-                time.sleep(min(1.0, self.cfg.run.shutdown_timeout_s / 10))
+                time.sleep(min(1.0, shutdown_timeout_s / 10))
         return None
 
-    def _restore(self, state: dict) -> None:
-        ing = self.ingest
-        self.trainer.policy_version = int(state["policy_version"])
-        ing.env_steps = int(state["env_steps"])
-        ing.episodes = int(state["episodes"])
-        ing.returns.extend(state["returns"])
-        ing.lengths.extend(state["lengths"])
-        self.wall_offset_s = float(state["wall_s"])
-        torch.set_rng_state(state["torch_rng"])
+    def close(self) -> None:
+        self.writer.close()

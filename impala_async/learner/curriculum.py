@@ -38,7 +38,7 @@ class Linear:
         return self.start + (self.end - self.start) * progress
 
 
-SCHEDULES = {"linear": Linear}  # --curriculum NAME (besides "none"; ops/config.py lists the same names)
+SCHEDULES = {"linear": Linear}  # --curriculum NAME (besides "none"; config/sections.py lists the same names)
 
 
 def from_config(cfg) -> Schedule | None:

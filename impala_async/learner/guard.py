@@ -133,6 +133,16 @@ class ConnectionGuard:
         self.unread_bytes_total = 0
         self.max_unread_bytes_seen = 0
 
+    def counters(self) -> dict:
+        """Connections open now and cut by reason, per socket (``cut_<socket>_<reason>``); unread bytes held."""
+        out = {
+            f"connections_{self.name}": len(self.conns),
+            **{f"cut_{self.name}_{reason}": self.cut[reason] for reason in CUT_REASONS},
+        }
+        if self.name == "trajectories":
+            out["unread_bytes"] = self.unread_bytes_total
+        return out
+
     def close(self, sock: zmq.Socket) -> None:
         try:
             sock.disable_monitor()

@@ -13,80 +13,66 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from ..config import LearnerConfig
+from ..config.sections import Limits
 from ..core import wire
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
+from .histograms import Histogram
 
 log = logging.getLogger("impala_async.learner.ingest")
 UNAUTHENTICATED = "unauthenticated"  # the key name trajectories_by_key counts under without CURVE
 
 
-class Histogram:
-    """Counts in logarithmic buckets (5% wide) between ``lo`` and ``hi``; constant memory, cheap quantiles."""
-
-    def __init__(self, lo: float = 1e-6, hi: float = 1e3, ratio: float = 1.05):
-        self.lo, self.log_ratio = lo, math.log(ratio)
-        self.counts = np.zeros(int(math.log(hi / lo) / self.log_ratio) + 2, np.int64)
-
-    def add(self, x: float) -> None:
-        i = 0 if x <= self.lo else min(len(self.counts) - 1, int(math.log(x / self.lo) / self.log_ratio) + 1)
-        self.counts[i] += 1
-
-    def quantile(self, q: float) -> float | None:
-        total = int(self.counts.sum())
-        if total == 0:
-            return None
-        i = int(np.searchsorted(np.cumsum(self.counts), q * total))
-        return self.lo * math.exp(self.log_ratio * i)  # the bucket's upper edge
-
-    def reset(self) -> None:
-        self.counts[:] = 0
-
-
 class Ingest:
     def __init__(
         self,
-        cfg: LearnerConfig,
+        limits: Limits,
+        max_policy_lag: int,
         spec: TrajectorySpec,
         ring: TrajectoryRing,
         policy_version: Callable[[], int],
         incarnation: int,
-        identities: bool = False,
+        *,
+        key_names: list[str] | None = None,
+        pacer=None,
+        resumed: dict | None = None,
     ):
-        self.cfg, self.spec, self.ring = cfg, spec, ring
+        """``policy_version()``: the learner's version (messages from the future are rejected, from the far past
+        dropped). ``key_names``: the names of the allowed CURVE keys (CURVE on: replay state is namespaced by the
+        name of the client's key), None without CURVE. ``pacer``: learner/pacing.py's Pacer, told of every accepted
+        message (flow control). ``resumed``: a checkpoint's state, whose counters continue here."""
+        self.limits, self.max_policy_lag, self.spec, self.ring = limits, max_policy_lag, spec, ring
         self._policy_version = policy_version
         self.incarnation = incarnation  # this learner run's; messages acted under an earlier run's weights carry theirs
-        self.identities = identities  # CURVE on: replay state is namespaced by the name of the client's key
+        self.identities = key_names is not None
         self.decoder = wire.TrajectoryDecoder(
             spec,
             wire.WireLimits(
-                max_message_bytes=cfg.limits.max_message_bytes,
-                max_trajectories_per_message=cfg.limits.max_trajectories_per_message,
-                max_episodes_per_message=cfg.limits.max_episodes_per_message,
-                max_actor_id_bytes=cfg.limits.max_actor_id_bytes,
-                max_abs_episode_return=cfg.limits.max_abs_episode_return,
-                max_episode_length_steps=cfg.limits.max_episode_length_steps,
+                max_message_bytes=limits.max_message_bytes,
+                max_trajectories_per_message=limits.max_trajectories_per_message,
+                max_episodes_per_message=limits.max_episodes_per_message,
+                max_actor_id_bytes=limits.max_actor_id_bytes,
+                max_abs_episode_return=limits.max_abs_episode_return,
+                max_episode_length_steps=limits.max_episode_length_steps,
             ),
         )
         self.steps_per_trajectory = spec.unroll_length
-        self._scratch = {
-            f.name: np.empty((cfg.limits.max_trajectories_per_message, *f.shape), f.dtype) for f in spec.fields
-        }
+        n = limits.max_trajectories_per_message
+        self._scratch = {f.name: np.empty((n, *f.shape), f.dtype) for f in spec.fields}
         self.pending: tuple[wire.TrajectoryMessage, int, int] | None = None  # (message in scratch, next row, ns)
         self._last_seq: collections.OrderedDict[str, int] = collections.OrderedDict()
         # Counters.
-        self.env_steps = 0  # steps in accepted trajectories
+        self.env_steps = int(resumed["env_steps"]) if resumed else 0  # steps in accepted trajectories
         self.trajectories_received = 0
         self.trajectories_jpeg = 0  # of which the observations (obs or frames) came as JPEG
         # Trajectories of accepted messages by the name of the key they came with (the ZAP User-Id; without CURVE
         # one bucket, UNAUTHENTICATED): bounded by the keys in allowed/, as only those get a message accepted.
+        self._key_names = key_names if key_names is not None else [UNAUTHENTICATED]
         self.trajectories_by_key: collections.Counter = collections.Counter()
         self._image_field = spec.fields[0].name  # obs or frames
         self.messages_received = 0
@@ -97,13 +83,44 @@ class Ingest:
         self.dropped_stale = 0
         self.dropped_incarnation = 0  # trajectories acted under another learner incarnation's weights
         self.latency_implausible = 0  # accepted messages whose sent_at_ns was too far from the learner's clock
-        self.episodes = 0
-        self.returns: collections.deque = collections.deque(maxlen=100)
-        self.lengths: collections.deque = collections.deque(maxlen=100)
+        self.episodes = int(resumed["episodes"]) if resumed else 0
+        self.returns: collections.deque = collections.deque(resumed["returns"] if resumed else (), maxlen=100)
+        self.lengths: collections.deque = collections.deque(resumed["lengths"] if resumed else (), maxlen=100)
         self.last_data_at: float | None = None  # monotonic time of the last accepted trajectory
         self.stage_s = {"parse": 0.0, "decode": 0.0}  # cumulative seconds on this thread
         self.latency_s = Histogram()  # actor's sent_at_ns -> trajectory in its ring slot
-        self.pacer = None  # learner/pacing.py's Pacer, told of every accepted message (flow control), if any
+        self.pacer = pacer
+
+    def counters(self) -> dict:
+        """Ingest's figures (learner/counters.py); containers the event loop changes are copied in one C call."""
+        returns, lengths, rejected = self.returns.copy(), self.lengths.copy(), dict(self.rejected)
+        return {
+            "env_steps": self.env_steps,
+            "episodes": self.episodes,
+            "episode_return_mean": float(np.mean(returns)) if returns else None,
+            "episode_length_mean": float(np.mean(lengths)) if lengths else None,
+            "trajectories_received": self.trajectories_received,
+            "trajectories_rejected": self.trajectories_rejected,
+            "trajectories_jpeg": self.trajectories_jpeg,
+            "trajectories_by_key": {**dict.fromkeys(self._key_names, 0), **dict(self.trajectories_by_key)},
+            "messages_received": self.messages_received,
+            "messages_rejected": sum(rejected.values()),
+            **{f"rejected_{r}": rejected.get(r, 0) for r in wire.REJECT_REASONS},
+            "bytes_received": self.bytes_received,
+            "decoded_bytes": self.decoded_bytes,
+            "ingest_dropped_stale": self.dropped_stale,
+            "dropped_incarnation": self.dropped_incarnation,
+            "latency_p50_ms": self.latency_s.quantile_ms(0.5),
+            "latency_p99_ms": self.latency_s.quantile_ms(0.99),
+            "latency_implausible": self.latency_implausible,
+            "stage_parse_s": self.stage_s["parse"],
+            "stage_decode_s": self.stage_s["decode"],
+            "scratch_bytes": self.scratch_nbytes,
+        }
+
+    def has_room(self) -> bool:
+        """Whether ring rows can be written now (a pending message can go on)."""
+        return self.ring.writable()
 
     @property
     def scratch_nbytes(self) -> int:
@@ -137,7 +154,7 @@ class Ingest:
             self.stage_s["parse"] += time.perf_counter() - t0
             return
         self.stage_s["parse"] += time.perf_counter() - t0
-        if self._policy_version() - msg.policy_version > self.cfg.ring.max_policy_lag:
+        if self._policy_version() - msg.policy_version > self.max_policy_lag:
             self.dropped_stale += msg.n
             return
         self._decode(msg, user_id, time.time_ns())
@@ -183,7 +200,7 @@ class Ingest:
         key = self._actor_key(msg, user_id)
         self._last_seq[key] = msg.seq
         self._last_seq.move_to_end(key)
-        if len(self._last_seq) > self.cfg.limits.max_tracked_actors:
+        if len(self._last_seq) > self.limits.max_tracked_actors:
             self._last_seq.popitem(last=False)
         self.trajectories_by_key[user_id if self.identities else UNAUTHENTICATED] += msg.n
         for ret, length in msg.episodes:
@@ -222,7 +239,7 @@ class Ingest:
         self.last_data_at = time.monotonic()
         if msg.sent_at_ns is not None:  # a peer's clock reading: counted only when plausible
             latency_s = (time.time_ns() - msg.sent_at_ns) * 1e-9
-            if 0.0 <= latency_s <= self.cfg.limits.max_plausible_latency_s:
+            if 0.0 <= latency_s <= self.limits.max_plausible_latency_s:
                 self.latency_s.add(latency_s)
             else:
                 self.latency_implausible += 1

@@ -216,8 +216,7 @@ def _serve(
         options = cfg.actors.options()
         actors = ActorProcesses.with_options(
             lambda i, fd: actor_argv(
-                server.listen_endpoint,
-                server.publish_endpoint,
+                *server.endpoints,
                 i,
                 fd,
                 seed=cfg.run.seed,
@@ -232,7 +231,6 @@ def _serve(
         learner,
         spec,
         run_info,
-        cfg.run.logdir,
         start_monotonic=start_monotonic,
         actors=actors,
         keys=keys,

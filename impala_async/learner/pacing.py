@@ -67,6 +67,27 @@ class Pacer:
         self.senders = 0
         self.target_now = 0.0  # the target the latest pace was computed for (metrics)
 
+    @classmethod
+    def from_config(cls, cfg) -> Pacer:
+        """The pacer a learner's configuration asks for (``flow_control none``: target 0, pace always 0)."""
+        ring = cfg.ring
+        target = ring.pace_target_batches * cfg.loss.batch_size if ring.flow_control == "pace" else 0
+        return cls(
+            target,
+            ring.pace_window_s,
+            ring.max_pace_s_per_trajectory,
+            capacity_trajectories=ring.ring_batches * cfg.loss.batch_size,
+            max_tracked_senders=cfg.limits.max_tracked_actors,
+            ranks=cfg.ranks.learner_ranks,
+        )
+
+    def counters(self) -> dict:
+        return {
+            "pace_s_per_trajectory": round(self.pace_s_per_trajectory, 6),
+            "pace_senders": self.senders,
+            "pace_target_trajectories": round(self.target_now, 1),
+        }
+
     def accepted(self, actor: str, trajectories: int, now: float | None = None) -> None:
         """A message of ``actor`` with ``trajectories`` was accepted (the receive loop)."""
         now = time.monotonic() if now is None else now

@@ -21,7 +21,8 @@ import time
 
 import zmq
 
-from ..config import LearnerConfig
+from ..config.sections import Limits, Network
+from ..ops import zmtp
 from .guard import ConnectionGuard, guard_source
 
 SNDHWM_MESSAGES = 2  # weights queued per subscriber (only the newest matter; actors CONFLATE)
@@ -30,32 +31,29 @@ _SUBSCRIBE_ALL, _UNSUBSCRIBE_ALL = b"\x01", b"\x00"
 
 
 class WeightsPublisher:
-    def __init__(self, ctx: zmq.Context, cfg: LearnerConfig, secure=None):
+    def __init__(self, ctx: zmq.Context, network: Network, limits: Limits, secure=None):
         """``secure(socket)`` makes the socket a CURVE server (see auth.make_curve_server); call :meth:`bind` next."""
-        self.cfg = cfg
+        self.republish_interval_s = network.republish_interval_s
+        self.min_resend_interval_s = network.min_resend_interval_s
         self.sock = ctx.socket(zmq.XPUB)
         s = self.sock
         s.setsockopt(zmq.XPUB_MANUAL, 1)
-        s.setsockopt(zmq.MAXMSGSIZE, cfg.limits.max_subscription_bytes)
+        s.setsockopt(zmq.MAXMSGSIZE, limits.max_subscription_bytes)
         s.setsockopt(zmq.SNDHWM, SNDHWM_MESSAGES)
         s.setsockopt(zmq.RCVHWM, RCVHWM_MESSAGES)
-        s.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.network.handshake_timeout_s * 1000))
-        if (
-            cfg.network.peer_timeout_s > 0
-        ):  # a peer gone without closing its connection stops counting against the limits
-            s.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.network.peer_timeout_s * 1000 / 3)))
-            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.network.peer_timeout_s * 1000))
+        s.setsockopt(zmq.HANDSHAKE_IVL, int(network.handshake_timeout_s * 1000))
+        zmtp.heartbeats(s, network.peer_timeout_s)  # a peer gone without closing stops counting against the limits
         s.setsockopt(zmq.LINGER, 0)
         if secure is not None:
             secure(s)
-        per_connection = max(64 << 10, (RCVHWM_MESSAGES + 2) * cfg.limits.max_subscription_bytes)
+        per_connection = max(64 << 10, (RCVHWM_MESSAGES + 2) * limits.max_subscription_bytes)
         self.guard = ConnectionGuard(
             "weights",
             s,
-            max_connections=cfg.limits.max_connections,
+            max_connections=limits.max_connections,
             max_unread_bytes=per_connection,
-            max_unread_bytes_total=per_connection * cfg.limits.max_connections,
-            max_messages=cfg.limits.max_subscriptions_per_connection,
+            max_unread_bytes_total=per_connection * limits.max_connections,
+            max_messages=limits.max_subscriptions_per_connection,
         )
         self.latest: bytes | None = None
         self.sends = 0  # weights messages sent (each goes to every subscriber)
@@ -64,7 +62,16 @@ class WeightsPublisher:
         self.ignored_subscriptions = 0  # to topics the learner never publishes
         self._join_pending = False
         self._last_resend = -float("inf")
-        self._next_periodic = time.monotonic() + cfg.network.republish_interval_s
+        self._next_periodic = time.monotonic() + self.republish_interval_s
+
+    def counters(self) -> dict:
+        return {
+            "weights_sends": self.sends,
+            "weights_resends": self.resends,
+            "subscriptions": self.subscriptions,
+            "subscriptions_ignored": self.ignored_subscriptions,
+            **self.guard.counters(),
+        }
 
     def bind(self, address: str) -> str:
         self.sock.bind(address)
@@ -79,7 +86,7 @@ class WeightsPublisher:
         self.latest = data
         self._send(data)
         self._join_pending = False
-        self._next_periodic = time.monotonic() + self.cfg.network.republish_interval_s
+        self._next_periodic = time.monotonic() + self.republish_interval_s
 
     def _send(self, data: bytes) -> None:
         try:
@@ -112,14 +119,14 @@ class WeightsPublisher:
     def resend_due(self, now: float) -> float:
         """Re-send if due (see the module docstring); returns the seconds until something may next be due."""
         if self.latest is None:
-            return self.cfg.network.republish_interval_s
-        if self._join_pending and now - self._last_resend >= self.cfg.network.min_resend_interval_s:
+            return self.republish_interval_s
+        if self._join_pending and now - self._last_resend >= self.min_resend_interval_s:
             self._resend(now)
         elif now >= self._next_periodic:
             self._resend(now)
         wait = self._next_periodic - now
         if self._join_pending:
-            wait = min(wait, self._last_resend + self.cfg.network.min_resend_interval_s - now)
+            wait = min(wait, self._last_resend + self.min_resend_interval_s - now)
         return max(0.001, wait)
 
     def _resend(self, now: float) -> None:
@@ -127,4 +134,4 @@ class WeightsPublisher:
         self.resends += 1
         self._last_resend = now
         self._join_pending = False
-        self._next_periodic = now + self.cfg.network.republish_interval_s
+        self._next_periodic = now + self.republish_interval_s

@@ -288,10 +288,15 @@ class RankGroup:
         return dataclasses.replace(keys, allowed={**keys.allowed, public: "local"})
 
     # ------------------------------------------------------------------------------------------- the watch
-    def watch(self, server) -> None:
-        """Start the thread that beats, reads the others' beats and the stop key, and watches rank 0's children."""
-        self.watcher = RankWatch(self, server)
+    def watch(self, *, figures, on_stop) -> None:
+        """Start the thread that beats (with ``figures()``, this rank's), reads the others' beats and the stop key, and
+        watches rank 0's children; ``on_stop(reason, code)`` stops this rank's learner from that thread."""
+        self.watcher = RankWatch(self, figures, on_stop)
         self.watcher.start()
+
+    def peers(self) -> list[tuple[dict, bool]]:
+        """Rank 0: every other rank's latest figures and whether it is alive (counters.take's ``peers``)."""
+        return self.watcher.peers() if self.watcher is not None else []
 
     def announce(self, reason: str, code: int) -> None:
         """This rank stops (server.request_stop): tell the others."""
@@ -302,14 +307,14 @@ class RankGroup:
         return self.watcher.explain(error)
 
     # -------------------------------------------------------------------------------------------- shutdown
-    def stop_training(self, server) -> bool:
-        """Stop the training thread. A normal stop ends every rank after the same update: rank 0 flags its next update
-        (the flag travels in that update's all-reduce, learn.py) and every rank stops after it; any other stop (exit
-        code not 0: a failure, no data) stops at once. True if the thread ended."""
-        trainer, timeout_s = server.trainer, server.cfg.run.shutdown_timeout_s / 2
-        if server.exit_code == 0 and trainer.alive() and not server.cfg.run.ingest_only:
+    def stop_training(self, trainer, learner, normal: bool, shutdown_timeout_s: float) -> bool:
+        """Stop the training thread. A normal stop ends every rank after the same update: rank 0 asks for it
+        (``learner.stop_requested``: learn.py all-reduces it with that update) and every rank stops after it; any
+        other stop (a failure, no data: ``normal`` False) stops at once. True if the thread ended."""
+        timeout_s = shutdown_timeout_s / 2
+        if normal and trainer.alive():
             if self.rank == 0:
-                server.learner.stop_requested = True
+                learner.stop_requested = True
             if trainer.join(timeout_s):
                 return True
             log.warning(
@@ -317,15 +322,15 @@ class RankGroup:
             )
         return trainer.stop(timeout_s / 2)
 
-    def finish(self, server) -> None:
+    def finish(self, trainer, learner, cfg) -> None:
         """After this rank's shutdown: the state dump (rank_state_dump), then rank 0 waits for the ranks it started
         (they stop on their own; shutdown_timeout_s / 2 at most, then they are killed)."""
         if self.watcher is not None:
             self.watcher.halt()
-        whole = not server.trainer.alive() and not server.learner.applying
-        if self.cfg.ranks.rank_state_dump and whole:
-            self._dump(server)
-        deadline = time.monotonic() + server.cfg.run.shutdown_timeout_s / 2
+        whole = not trainer.alive() and not learner.applying
+        if cfg.ranks.rank_state_dump and whole:
+            self._dump(trainer, learner, cfg.run.logdir)
+        deadline = time.monotonic() + cfg.run.shutdown_timeout_s / 2
         for r, child in enumerate(self.children, start=1):
             try:
                 child.wait(max(0.0, deadline - time.monotonic()))
@@ -345,22 +350,21 @@ class RankGroup:
             if child.poll() is None:
                 child.kill()
 
-    def _dump(self, server) -> None:
+    def _dump(self, trainer, learner, logdir: str) -> None:
         import torch
 
-        path = Path(server.logdir) / f"rank-{self.rank}-state.pt"
-        lr = server.learner
+        path = Path(logdir) / f"rank-{self.rank}-state.pt"
         state = {
-            "model": lr.model.state_dict(),
-            "optimizer": lr.optimizer.state_dict(),
-            "updates": lr.updates,
-            "batches": server.trainer.batches,
-            "policy_version": server.trainer.policy_version,
+            "model": learner.model.state_dict(),
+            "optimizer": learner.optimizer.state_dict(),
+            "updates": learner.updates,
+            "batches": trainer.batches,
+            "policy_version": trainer.policy_version,
         }
         tmp = path.with_suffix(".tmp")
         torch.save(state, tmp)
         os.replace(tmp, path)
-        log.info("rank %d: state after %d updates written to %s", self.rank, lr.updates, path)
+        log.info("rank %d: state after %d updates written to %s", self.rank, learner.updates, path)
 
     def exit(self, code: int) -> int:
         """The process's exit code; a training thread stuck in a collective cannot be joined: leave without it."""

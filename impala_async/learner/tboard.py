@@ -72,6 +72,17 @@ def rho_histogram(record: dict) -> dict | None:
     }
 
 
+def tensorboard_writer(cfg, logdir) -> TensorBoardWriter | None:
+    """The writer ``--tensorboard 1`` asks for (None without it)."""
+    if not cfg.observe.tensorboard:
+        return None
+    return TensorBoardWriter(
+        Path(logdir),
+        flush_interval_s=cfg.observe.tensorboard_flush_interval_s,
+        max_queue_records=cfg.observe.max_tensorboard_queue_records,
+    )
+
+
 class TensorBoardWriter:
     def __init__(self, logdir: Path, *, flush_interval_s: float, max_queue_records: int):
         from torch.utils.tensorboard import SummaryWriter  # ImportError without the tensorboard extra

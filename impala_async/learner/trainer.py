@@ -18,6 +18,7 @@ import torch
 
 from ..core.ring import Batch, TrajectoryRing
 from .learn import Learner
+from .metrics import Update
 
 log = logging.getLogger("impala_async.learner.trainer")
 
@@ -38,22 +39,23 @@ class Trainer:
         max_policy_lag: int,
         ingest_only: bool = False,
         overlap_copies: bool = True,
-        on_update: Callable[[int, dict, object], None],
-        after_update: Callable[[], bool],
+        after_update: Callable[[Update | None], bool],
         on_exit: Callable[[BaseException | None], None],
+        policy_version: int = 0,
     ):
-        """``on_update(version, stats, lag)`` records an update; ``after_update()`` runs after each batch (publish,
-        checkpoint) and returns True to stop; ``on_exit(error)`` runs when the thread ends."""
+        """``after_update(update)`` runs on this thread after each batch (``update`` is None in ingest-only mode:
+        nothing was trained) and returns True to stop; ``on_exit(error)`` runs when the thread ends."""
         self.learner, self.ring = learner, ring
         self.device = learner.device
         self.cuda = self.device.type == "cuda"
         self.max_policy_lag = max_policy_lag
         self.ingest_only = ingest_only
         self.overlap = overlap_copies
-        self._on_update, self._after_update, self._on_exit = on_update, after_update, on_exit
-        self.policy_version = 0
+        self._after_update, self._on_exit = after_update, on_exit
+        self.policy_version = policy_version
         self.batches = 0
         self.stage_s = {"h2d": 0.0, "train": 0.0, "wait": 0.0}  # cumulative seconds; wait: for a batch (starved)
+        self._waited_s = 0.0  # stage_s["wait"] at the last update
         self.error: BaseException | None = None
         # Monotonic time the thread last went round its loop (at least every 0.1 s while it waits for a batch, once
         # per update while it trains): /healthz tells a hung thread from a waiting one by it.
@@ -61,6 +63,13 @@ class Trainer:
         self._stop = threading.Event()
         self._copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
+
+    def counters(self) -> dict:
+        return {
+            "batches": self.batches,
+            "policy_version": self.policy_version,
+            **{f"stage_{k}_s": v for k, v in self.stage_s.items()},
+        }
 
     def start(self) -> None:
         self.heartbeat = time.monotonic()
@@ -120,27 +129,9 @@ class Trainer:
                         continue
                 # Start the next batch's copy now so that it overlaps this batch's update.
                 upcoming = self._next(0.0) if self.cuda and self.overlap else None
-                if self.ingest_only:
-                    self._finish_copy(staged)
-                    while (more := self._next(0.0)) is not None:  # take every ready batch per wake-up
-                        self._finish_copy(more)
-                        self.batches += 1
-                    stats = None
-                else:
-                    if staged.copied is not None:
-                        torch.cuda.current_stream(self.device).wait_event(staged.copied)
-                    lag = self.policy_version - staged.batch.policy_versions
-                    t0 = time.perf_counter()
-                    stats = self.learner.step(staged.tensors)  # its .tolist() waits for the GPU, if any
-                    self.stage_s["train"] += time.perf_counter() - t0
-                    self._finish_copy(staged)
-                self.batches += 1
-                if stats is not None:
-                    if not stats["skipped"]:  # a skipped update (non-finite loss) leaves the weights as they were
-                        self.policy_version += 1
-                    self._on_update(self.policy_version, stats, lag)
+                update = self._release_all(staged) if self.ingest_only else self._train(staged)
                 staged = upcoming
-                if self._after_update():
+                if self._after_update(update):
                     break
             if staged is not None:
                 self._finish_copy(staged)
@@ -155,3 +146,29 @@ class Trainer:
                 f": {self.error!r}" if self.error else "",
             )
             self._on_exit(self.error)
+
+    def _train(self, staged: Staged) -> Update:
+        """One update on a staged batch; its slot is released once the batch is no longer needed."""
+        if staged.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(staged.copied)
+        lag = self.policy_version - staged.batch.policy_versions
+        t0 = time.perf_counter()
+        stats = self.learner.step(staged.tensors)  # its .tolist() waits for the GPU, if any
+        self.stage_s["train"] += time.perf_counter() - t0
+        self._finish_copy(staged)
+        self.batches += 1
+        if not stats["skipped"]:  # a skipped update (non-finite loss) leaves the weights as they were
+            self.policy_version += 1
+        waited = self.stage_s["wait"]
+        update = Update(self.policy_version, stats, lag, waited - self._waited_s)
+        self._waited_s = waited
+        return update
+
+    def _release_all(self, staged: Staged) -> None:
+        """Ingest-only mode: release this batch and every ready one (copied to the device, if any), untrained."""
+        self._finish_copy(staged)
+        self.batches += 1
+        while (more := self._next(0.0)) is not None:  # take every ready batch per wake-up
+            self._finish_copy(more)
+            self.batches += 1
+        return None

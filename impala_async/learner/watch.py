@@ -2,7 +2,7 @@
 distribution of importance weights rho, lower rho-bar (0.8-1.2), raise the entropy cost").
 
 Pure: :class:`CollapseWatch` is fed each metrics record (learner/metrics.py) and returns the warnings due, which the
-server logs. Two signs, each judged on the median of the last ``SMOOTH_REPORTS`` reports that made updates, so that
+reports log. Two signs, each judged on the median of the last ``SMOOTH_REPORTS`` reports that made updates, so that
 one odd report neither fires nor hides anything, and each warned about at most once per ``warn_interval_s``:
 
 - **entropy cliff**: the entropy fell below ``entropy_fraction`` of its maximum over the last ``window_updates``
