@@ -27,6 +27,7 @@ from .config import (  # noqa: E402
     env_metrics_port,
 )
 from .config import fields as config_fields  # noqa: E402
+from .ops import exitcodes  # noqa: E402
 
 log = logging.getLogger("impala_async")
 LAYERS_HELP = """
@@ -236,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="impala-async",
         description="IMPALA (V-trace actor-learner) over ZeroMQ.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
+        epilog=__doc__ + "\n" + exitcodes.table_text(),
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, text, description in (
@@ -258,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
             description=description + LAYERS_HELP,
             usage=f"impala-async {name} [-h] [--config FILE] [--resume LOGDIR] [--FLAG VALUE ...]",
             formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=exitcodes.table_text(),
         )
         cmd.add_argument(
             "--config",
@@ -287,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Run actors against a running learner. The environment, unroll length and network come from the "
             "learner with its weights."
         ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=exitcodes.table_text(),
     )
     for cls in (ActorTarget, ActorOptions, MetricsHttp):
         config_fields.add_arguments(act, cls, learner=False, required=("learner",))

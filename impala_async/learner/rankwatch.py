@@ -19,9 +19,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..ops import exitcodes
 from .counters import heartbeat_figures
 
-EXIT_RANK_FAILED = 6  # a learner rank died, failed, or hung (README, "Several learner ranks")
+EXIT_RANK_FAILED = exitcodes.RANK_FAILED  # a learner rank died, failed, or hung (README, "Several learner ranks")
 
 
 class RankWatch:

@@ -37,6 +37,7 @@ import zmq
 from ..config import LearnerConfig
 from ..core import wire
 from ..core.spec import TrajectorySpec
+from ..ops import exitcodes
 from . import checkpoint, curriculum, prom, tasks
 from .intake import Intake
 from .learn import Learner
@@ -48,8 +49,7 @@ from .watch import CollapseWatch
 from .weights import Publication
 
 log = logging.getLogger("impala_async.learner.server")
-# README, Exit codes (argparse uses 2 for usage errors; 3 and 4: tasks.py; 6, a learner rank failed: ranks.py)
-EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_FORCED = 1, 5, 130
+EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_FORCED = exitcodes.ERROR, exitcodes.NO_CHECKPOINT, exitcodes.FORCED
 
 
 class LearnerServer:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import zmq
 
 from ..actors.procs import ActorProcesses
+from ..ops import exitcodes
 from .guard import ConnectionGuard, release_memory
 from .ingest import Histogram, Ingest
 from .intake import wait_event
@@ -61,7 +62,7 @@ async def guard_connections(guards: list[ConnectionGuard], interval_s: float) ->
         await asyncio.sleep(interval_s)
 
 
-EXIT_ACTORS_FAILED, EXIT_NO_DATA = 3, 4  # README, Exit codes
+EXIT_ACTORS_FAILED, EXIT_NO_DATA = exitcodes.ACTORS_FAILED, exitcodes.NO_DATA  # ops/exitcodes.py
 
 
 async def supervise(
