@@ -158,7 +158,7 @@ def _add_metrics_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_eval(args) -> int:
-    from .learner import evaluate
+    from . import evaluate
 
     opts = evaluate.EvalOptions(
         checkpoint=args.checkpoint,

@@ -61,8 +61,18 @@ def test_imports_run_downward(sub):
                 assert root not in FORBIDDEN_THIRD_PARTY.get(sub, set()), f"{path.relative_to(PKG)} imports {root}"
 
 
-def test_every_module_is_in_a_subpackage():
-    assert sorted(p.name for p in PKG.glob("*.py")) == ["__init__.py", "__main__.py", "cli.py"]
+def test_every_module_is_in_a_subpackage_but_the_commands():
+    """At the top: the package, its entry point, and the commands' clients of the parts below (the command line,
+    and evaluation, which plays a learner's checkpoint in an actor's environment)."""
+    assert sorted(p.name for p in PKG.glob("*.py")) == ["__init__.py", "__main__.py", "cli.py", "evaluate.py"]
+
+
+def test_nothing_below_imports_the_commands():
+    graph = import_graph()
+    commands = {"impala_async.cli", "impala_async.evaluate", "impala_async.__main__"}
+    for name, targets in graph.items():
+        if name not in commands:
+            assert not targets & commands, f"{name} imports {targets & commands}"
 
 
 def module_name(path: Path) -> str:

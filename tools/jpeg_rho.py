@@ -40,12 +40,12 @@ MESSAGE_TRAJECTORIES = 16  # unrolls sent through the codec together, as one mes
 def network(checkpoint: str, env_id: str, unroll_length: int) -> tuple[torch.nn.Module, TrajectorySpec, str]:
     """The checkpoint's network, spec and environment; or a fresh default one for ``env_id``."""
     if checkpoint:
-        from impala_async.learner import evaluate
+        from impala_async import evaluate
 
         state, _ = evaluate.load_state(checkpoint, 4 << 30)
         cfg = evaluate.run_config(state)
         spec = TrajectorySpec.from_dict(state["spec"])
-        return evaluate.build_network(cfg, spec, state["learner"]["model"]), spec, cfg.env
+        return evaluate.build_network(cfg, spec, state["learner"]["model"]), spec, cfg.env.env
     env = make_env(env_id)
     spec = TrajectorySpec.from_spaces(
         env.observation_space, env.action_space, unroll_length, frame_stack=frame_stack_of(env)

@@ -25,14 +25,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..actors.envs import frame_stack_of, make_env
-from ..config import LearnerConfig, from_flat
-from ..core.models import build_model
-from ..core.spec import TrajectorySpec
-from . import checkpoint
-from .learn import model_config
+from .actors.envs import frame_stack_of, make_env
+from .config import LearnerConfig, from_flat
+from .core.models import build_model
+from .core.spec import TrajectorySpec
+from .learner import checkpoint
+from .learner.learn import model_config
 
-log = logging.getLogger("impala_async.learner.evaluate")
+log = logging.getLogger("impala_async.evaluate")
 VIDEO_EXTRA = "pip install 'impala-async[video]'"
 MIN_VIDEO_SIDE = 256  # smaller frames are scaled up by a whole factor (nearest neighbour) to at least this
 # Colours of observation planes [C, H, W] that are no frame stack (MinAtar's objects): one per channel, cycled.
