@@ -232,6 +232,21 @@ def _add_eval(sub) -> None:
     ev.set_defaults(func=cmd_eval)
 
 
+LEARNER_COMMANDS = (
+    (
+        "train",
+        "run a learner and local actors",
+        "Train with a learner and --num-actors local actor processes. External actors may attach as well.",
+    ),
+    (
+        "learner",
+        "run only the learner; actors attach by address",
+        "Run the learner alone. Actors on this or other machines attach with 'impala-async actor --learner ADDRESS'; "
+        "the addresses are printed at start.",
+    ),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="impala-async",
@@ -240,54 +255,55 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__ + "\n" + exitcodes.table_text(),
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, text, description in (
-        (
-            "train",
-            "run a learner and local actors",
-            "Train with a learner and --num-actors local actor processes. External actors may attach as well.",
+    for name, text, description in LEARNER_COMMANDS:
+        _add_learner_command(sub, name, text, description)
+    _add_actor(sub)
+    _add_keygen(sub)
+    _add_eval(sub)
+    _add_healthcheck(sub)
+    return p
+
+
+def _add_learner_command(sub, name: str, text: str, description: str) -> None:
+    """train or learner: --config, --resume, and every section's flags (config/sections.py), grouped."""
+    cmd = sub.add_parser(
+        name,
+        help=text,
+        description=description + LAYERS_HELP,
+        usage=f"impala-async {name} [-h] [--config FILE] [--resume LOGDIR] [--FLAG VALUE ...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=exitcodes.table_text(),
+    )
+    cmd.add_argument(
+        "--config",
+        metavar="FILE",
+        default="",
+        help=(
+            "a TOML or YAML file of flag names and values (tables named after the sections below allowed), or a run's "
+            "LOGDIR/config.json to run its configuration again; flags typed here win"
         ),
-        (
-            "learner",
-            "run only the learner; actors attach by address",
-            "Run the learner alone. Actors on this or "
-            "other machines attach with 'impala-async actor --learner ADDRESS'; the addresses are printed at start.",
+    )
+    cmd.add_argument(
+        "--resume",
+        metavar="LOGDIR",
+        default="",
+        help=(
+            "continue the run in LOGDIR from its newest good checkpoint: same configuration (--config and flags given "
+            "here win), counters intact, metrics appended (a restarted learner: attached actors carry on)"
         ),
-    ):
-        cmd = sub.add_parser(
-            name,
-            help=text,
-            description=description + LAYERS_HELP,
-            usage=f"impala-async {name} [-h] [--config FILE] [--resume LOGDIR] [--FLAG VALUE ...]",
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-            epilog=exitcodes.table_text(),
-        )
-        cmd.add_argument(
-            "--config",
-            metavar="FILE",
-            default="",
-            help=(
-                "a TOML or YAML file of flag names and values (tables named after the sections below allowed), or a "
-                "run's LOGDIR/config.json to run its configuration again; flags typed here win"
-            ),
-        )
-        cmd.add_argument(
-            "--resume",
-            metavar="LOGDIR",
-            default="",
-            help=(
-                "continue the run in LOGDIR from its newest good checkpoint: same configuration (--config and flags "
-                "given here win), counters intact, metrics appended (a restarted learner: attached actors carry on)"
-            ),
-        )
-        for _, cls in learner_sections():
-            config_fields.add_arguments(cmd, cls, learner=True, skip=LEARNER_SKIPS[name])
-        cmd.set_defaults(func=cmd_learner)
+    )
+    for _, cls in learner_sections():
+        config_fields.add_arguments(cmd, cls, learner=True, skip=LEARNER_SKIPS[name])
+    cmd.set_defaults(func=cmd_learner)
+
+
+def _add_actor(sub) -> None:
     act = sub.add_parser(
         "actor",
         help="run actors that attach to a learner",
         description=(
-            "Run actors against a running learner. The environment, unroll length and network come from the "
-            "learner with its weights."
+            "Run actors against a running learner. The environment, unroll length and network come from the learner "
+            "with its weights."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=exitcodes.table_text(),
@@ -297,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     act.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
     act.add_argument("--heartbeat-fd", type=int, default=-1, help=argparse.SUPPRESS)
     act.set_defaults(func=cmd_actor)
+
+
+def _add_keygen(sub) -> None:
     keygen = sub.add_parser(
         "keygen",
         help="write a CurveZMQ key pair",
@@ -309,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("directory", help="where to write the key files (created with mode 0700)")
     keygen.add_argument("--name", default="learner", help="file name stem: learner or actor (default: learner)")
     keygen.set_defaults(func=cmd_keygen)
-    _add_eval(sub)
+
+
+def _add_healthcheck(sub) -> None:
     hc = sub.add_parser(
         "healthcheck",
         help="exit 0 if the local learner or actor supervisor is healthy",
@@ -322,7 +343,6 @@ def build_parser() -> argparse.ArgumentParser:
     hc.add_argument("--path", default="/healthz", help="the path to GET (default: /healthz)")
     hc.add_argument("--timeout-s", type=float, default=5.0, help="give up after this long (default: 5)")
     hc.set_defaults(func=cmd_healthcheck)
-    return p
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the trajectory decoder (impala_async.core.wire.TrajectoryDecoder), in-process.
+"""Property-based fuzzing of the trajectory decoder (impala_async.core.TrajectoryDecoder), in-process.
 
 Whatever the bytes, ``parse`` and ``decode_into`` either succeed or raise ``wire.Rejected``: any other exception would
 escape ``Ingest.handle`` and stop the learner's receive loop. When they succeed, the decoded arrays hold only values the
@@ -20,11 +20,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from impala_async.core import wire
+from impala_async.core.decoder import TrajectoryDecoder
 from impala_async.core.spec import CHECK_ACTION, CHECK_FINITE, CHECK_FLAG, TrajectorySpec
 
 SPECS, LIMITS = FUZZ_SPECS, FUZZ_LIMITS
 # The decoder finds NaN and infinity as a NaN dot product; numpy warns about it, which is expected here.
-DECODERS = {name: wire.TrajectoryDecoder(spec, LIMITS) for name, spec in SPECS.items()}
+DECODERS = {name: TrajectoryDecoder(spec, LIMITS) for name, spec in SPECS.items()}
 FUZZ = settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -410,7 +411,7 @@ BIG_N = 8  # 8 * 10^4 obs floats in one message: more than one wire.FINITE_CHUNK
 )
 def test_one_nonfinite_anywhere_in_a_large_message_is_found(index, value, codec):
     assert BIG_N * 10_000 > wire.FINITE_CHUNK
-    decoder = wire.TrajectoryDecoder(BIG, wire.WireLimits(max_trajectories_per_message=BIG_N))
+    decoder = TrajectoryDecoder(BIG, wire.WireLimits(max_trajectories_per_message=BIG_N))
     arrays = random_arrays(BIG, BIG_N, seed=5)
     arrays["obs"].reshape(-1)[index] = value
     msg = decoder.parse(

@@ -22,6 +22,7 @@ from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
 from zmq.utils.monitor import recv_monitor_message
 
 from impala_async.core import wire
+from impala_async.core.decoder import TrajectoryDecoder
 from impala_async.core.spec import TrajectorySpec
 
 MAX_MESSAGE_BYTES = 1 << 20
@@ -166,7 +167,7 @@ def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
     # --- not MessagePack, or MessagePack beyond the caps
     noise = np.random.default_rng(7).bytes(4096)
     with pytest.raises(wire.Rejected, match="malformed"):  # precondition: this noise does not parse
-        wire.TrajectoryDecoder(spec).parse(noise)
+        TrajectoryDecoder(spec).parse(noise)
     send(noise, "malformed")
     send(b"", "malformed")
     send(b"\xdd\xff\xff\xff\xff", "malformed")  # array32 header claiming 2^32 - 1 items

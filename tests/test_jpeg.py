@@ -22,6 +22,7 @@ from impala_async.actors.actor import image_codec  # noqa: E402
 from impala_async.actors.envs import PongLike  # noqa: E402
 from impala_async.config import LearnerConfig  # noqa: E402
 from impala_async.core import codecs, wire  # noqa: E402
+from impala_async.core.decoder import TrajectoryDecoder  # noqa: E402
 from impala_async.core.spec import TrajectorySpec  # noqa: E402
 
 FRAMES = TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=12, frame_stack=4)
@@ -62,7 +63,7 @@ def encode(spec, arrays, quality: int = 90) -> bytes:
 
 def decode(spec, data):
     """parse + decode_into into destinations filled with a pattern a skipped write would leave visible."""
-    decoder = wire.TrajectoryDecoder(spec)
+    decoder = TrajectoryDecoder(spec)
     msg = decoder.parse(data)
     dest = {f.name: np.full((msg.n, *f.shape), 0xAB if f.dtype == np.uint8 else -7, f.dtype) for f in spec.fields}
     decoder.decode_into(msg, dest)
@@ -228,7 +229,7 @@ def test_corrupt_pictures_are_refused_when_decoded():
     arrays = honest(FRAMES, 1)
     data = encode(FRAMES, arrays)
     piece = image_payload(data)[4:]
-    decoder = wire.TrajectoryDecoder(FRAMES)
+    decoder = TrajectoryDecoder(FRAMES)
     cut = piece[: len(piece) // 2] + b"\xff\xd9"  # header intact, the scan cut short by an end-of-image marker
     msg = decoder.parse(patched(data, "frames", with_pieces([cut])))
     dest = {f.name: np.empty((1, *f.shape), f.dtype) for f in FRAMES.fields}
@@ -239,7 +240,7 @@ def test_corrupt_pictures_are_refused_when_decoded():
 
 # ----------------------------------------------------------------------------------------------------- fuzzing
 SMALL = TrajectorySpec(obs_shape=(2, 16, 24), obs_dtype="uint8", num_actions=3, unroll_length=3, frame_stack=2)
-SMALL_DECODER = wire.TrajectoryDecoder(SMALL)
+SMALL_DECODER = TrajectoryDecoder(SMALL)
 SMALL_SEEDS = [encode(SMALL, random_arrays(SMALL, n, seed=n)) for n in (1, 3)]
 FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -17,6 +17,7 @@ import zmq
 from procutil import cli, free_port_pair, stop, tail
 
 from impala_async.core import wire
+from impala_async.core.decoder import TrajectoryDecoder
 from impala_async.core.models import ModelConfig, build_model
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner.loss import recurrent_inputs
@@ -53,7 +54,7 @@ def test_the_learner_reproduces_the_actors_logits_from_the_carried_state(tmp_pat
     pub.bind(f"tcp://127.0.0.1:{port + 1}")
     log = tmp_path / "actor.log"
     actor = cli("actor", "--learner", f"tcp://127.0.0.1:{port}", "--envs-per-actor", str(K), log=log)
-    decoder = wire.TrajectoryDecoder(spec)
+    decoder = TrajectoryDecoder(spec)
     messages = []
     try:
         deadline = time.monotonic() + 90
@@ -104,11 +105,11 @@ def test_a_message_without_the_state_is_rejected_with_a_reason():
     arrays["obs"] = rng.integers(0, 2, arrays["obs"].shape, dtype=np.uint8)
     data = wire.encode_trajectories(plain, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays)
     with pytest.raises(wire.Rejected, match="core_state") as e:
-        wire.TrajectoryDecoder(spec).parse(data)
+        TrajectoryDecoder(spec).parse(data)
     assert e.value.reason == "bad_field"
     arrays["core_state"] = np.full((1, 2, 8), np.nan, np.float32)
     data = wire.encode_trajectories(spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays)
-    decoder = wire.TrajectoryDecoder(spec)
+    decoder = TrajectoryDecoder(spec)
     msg = decoder.parse(data)
     with pytest.raises(wire.Rejected) as e:
         decoder.decode_into(msg, {f.name: np.empty((1, *f.shape), f.dtype) for f in spec.fields})

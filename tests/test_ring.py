@@ -8,6 +8,7 @@ import torch
 from helpers import random_arrays
 
 from impala_async.core import wire
+from impala_async.core.decoder import TrajectoryDecoder
 from impala_async.core.ring import TrajectoryRing
 
 
@@ -22,7 +23,7 @@ def test_batches_are_views_of_preallocated_storage(cartpole_spec):
     ring = TrajectoryRing(cartpole_spec, batch_size=2, num_batches=3)
     ptrs = {name: t.data_ptr() for name, t in ring.tensors.items()}
     arrays = random_arrays(cartpole_spec, 2)
-    decoder = wire.TrajectoryDecoder(cartpole_spec)
+    decoder = TrajectoryDecoder(cartpole_spec)
     msg = decoder.parse(
         wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=4, incarnation=1, arrays=arrays)
     )

@@ -7,6 +7,7 @@ import pytest
 from helpers import random_arrays
 
 from impala_async.core import wire
+from impala_async.core.decoder import TrajectoryDecoder
 from impala_async.core.spec import TrajectorySpec
 
 
@@ -37,7 +38,7 @@ def test_round_trip(codec, spec_name, request):
         codec=codec,
         sent_at_ns=123,
     )
-    msg, dest = decode_all(wire.TrajectoryDecoder(spec), data)
+    msg, dest = decode_all(TrajectoryDecoder(spec), data)
     assert (msg.actor_id, msg.seq, msg.policy_version, msg.n, msg.sent_at_ns) == ("host/1/ab", 7, 3, 3, 123)
     assert msg.episodes == [[12.5, 40], [3.0, 2]]
     for name, a in arrays.items():
@@ -73,14 +74,14 @@ def handmade_message(spec: TrajectorySpec, arrays, **override) -> dict:
 def test_handmade_message_is_accepted(cartpole_spec):
     arrays = random_arrays(cartpole_spec, 2)
     data = msgpack.packb(handmade_message(cartpole_spec, arrays))
-    _, dest = decode_all(wire.TrajectoryDecoder(cartpole_spec), data)
+    _, dest = decode_all(TrajectoryDecoder(cartpole_spec), data)
     np.testing.assert_array_equal(dest["obs"], arrays["obs"])
     np.testing.assert_array_equal(dest["behaviour_logits"], arrays["behaviour_logits"])
 
 
 def parse_reason(spec, data, limits=wire.WireLimits()):
     with pytest.raises(wire.Rejected) as e:
-        decode_all(wire.TrajectoryDecoder(spec, limits), data)
+        decode_all(TrajectoryDecoder(spec, limits), data)
     return e.value.reason
 
 
@@ -178,7 +179,7 @@ def test_field_rejections(cartpole_spec):
 )
 def test_value_rejections(cartpole_spec, field, value, why):
     arrays = random_arrays(cartpole_spec, 3)
-    decoder = wire.TrajectoryDecoder(cartpole_spec)
+    decoder = TrajectoryDecoder(cartpole_spec)
     decode_all(
         decoder,
         wire.encode_trajectories(cartpole_spec, actor_id="a", seq=0, policy_version=0, incarnation=1, arrays=arrays),
@@ -274,7 +275,7 @@ def test_weights_header_without_decoding_tensors():
 
 def test_contradicting_fields_are_rejected(cartpole_spec):
     """A step cannot be both terminal and cut by a time limit, and only a cut step carries a truncation value."""
-    decoder = wire.TrajectoryDecoder(cartpole_spec)
+    decoder = TrajectoryDecoder(cartpole_spec)
 
     def verdict(mutate):
         arrays = random_arrays(cartpole_spec, 2, seed=5)

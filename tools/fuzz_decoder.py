@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Coverage-guided fuzzing of the trajectory decoder (wire.TrajectoryDecoder) with atheris (libFuzzer).
+"""Coverage-guided fuzzing of the trajectory decoder (core.decoder.TrajectoryDecoder) with atheris (libFuzzer).
 
 Not a test: run it by hand for as long as you like. Needs ``pip install atheris`` (wheels for CPython 3.11 on x86-64
 Linux). Each input is either raw message bytes (libFuzzer's own mutations of a seed corpus of valid messages) or, when
@@ -27,6 +27,7 @@ with atheris.instrument_imports(include=["impala_async", "msgpack"]):
     import numpy as np
 
     from impala_async.core import wire
+    from impala_async.core.decoder import TrajectoryDecoder
     from impala_async.core.spec import TrajectorySpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -137,7 +138,7 @@ def structural(spec: TrajectorySpec, seeds: list[bytes], fdp: atheris.FuzzedData
     return msgpack.packb(msg, use_bin_type=True)
 
 
-def check(spec: TrajectorySpec, decoder: wire.TrajectoryDecoder, data: bytes) -> None:
+def check(spec: TrajectorySpec, decoder: TrajectoryDecoder, data: bytes) -> None:
     try:
         msg = decoder.parse(data)
         dest = {f.name: np.full((msg.n, *f.shape), 0xAB if f.dtype == np.uint8 else -7, f.dtype) for f in spec.fields}
@@ -157,7 +158,7 @@ def main() -> int:
     p.add_argument("--replay", default="", help="run one input file (e.g. a crash-* file) and exit")
     ARGS, rest = p.parse_known_args()
     spec = SPECS[ARGS.spec]
-    decoder = wire.TrajectoryDecoder(spec, LIMITS)
+    decoder = TrajectoryDecoder(spec, LIMITS)
     seeds = seed_messages(spec)
 
     def one_input(data: bytes) -> None:

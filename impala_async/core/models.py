@@ -50,6 +50,33 @@ def _int_seq(value, what: str) -> tuple:
     return tuple(value)
 
 
+def _conv_layers(value) -> tuple[tuple[int, int, int, int], ...]:
+    """``(out_channels, kernel, stride, padding)`` per layer, checked; at least one."""
+    layers = []
+    for layer in _int_seq(value, "conv_layers"):
+        layer = _int_seq(layer, "a conv layer")
+        if len(layer) != 4:
+            raise ValueError(f"a conv layer is [out_channels, kernel, stride, padding], got {list(layer)}")
+        names, lows = ("out_channels", "kernel", "stride", "padding"), (1, 1, 1, 0)
+        layers.append(tuple(_index(v, f"conv layer {n}", low) for v, n, low in zip(layer, names, lows, strict=True)))
+    if not layers:
+        raise ValueError("conv_layers must name at least one layer")
+    return tuple(layers)
+
+
+def _stages(value) -> tuple[tuple[int, int], ...]:
+    """``(channels, residual blocks)`` per stage of the deep network, checked; at least one."""
+    stages = []
+    for stage in _int_seq(value, "stages"):
+        stage = _int_seq(stage, "a stage")
+        if len(stage) != 2:
+            raise ValueError(f"a stage is [channels, residual blocks], got {list(stage)}")
+        stages.append((_index(stage[0], "stage channels", 1), _index(stage[1], "stage residual blocks", 0)))
+    if not stages:
+        raise ValueError("stages must name at least one stage")
+    return tuple(stages)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which network to build.
@@ -79,32 +106,9 @@ class ModelConfig:
         hidden = tuple(_index(h, "hidden_sizes", 1) for h in _int_seq(self.hidden_sizes, "hidden_sizes"))
         if not hidden:
             raise ValueError(f"hidden_sizes must be positive integers, got {self.hidden_sizes}")
-        layers = []
-        for layer in _int_seq(self.conv_layers, "conv_layers"):
-            layer = _int_seq(layer, "a conv layer")
-            if len(layer) != 4:
-                raise ValueError(f"a conv layer is [out_channels, kernel, stride, padding], got {list(layer)}")
-            layers.append(
-                tuple(
-                    _index(v, f"conv layer {name}", low)
-                    for v, name, low in zip(
-                        layer, ("out_channels", "kernel", "stride", "padding"), (1, 1, 1, 0), strict=True
-                    )
-                )
-            )
-        if not layers:
-            raise ValueError("conv_layers must name at least one layer")
-        stages = []
-        for stage in _int_seq(self.stages, "stages"):
-            stage = _int_seq(stage, "a stage")
-            if len(stage) != 2:
-                raise ValueError(f"a stage is [channels, residual blocks], got {list(stage)}")
-            stages.append((_index(stage[0], "stage channels", 1), _index(stage[1], "stage residual blocks", 0)))
-        if not stages:
-            raise ValueError("stages must name at least one stage")
         object.__setattr__(self, "hidden_sizes", hidden)
-        object.__setattr__(self, "conv_layers", tuple(layers))
-        object.__setattr__(self, "stages", tuple(stages))
+        object.__setattr__(self, "conv_layers", _conv_layers(self.conv_layers))
+        object.__setattr__(self, "stages", _stages(self.stages))
         _index(self.fc_size, "fc_size", 1)
         _index(self.lstm_size, "lstm_size", 0)
         for name in ("activation", "conv_activation"):
@@ -114,17 +118,22 @@ class ModelConfig:
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"input_scale must be a finite number > 0, got {scale!r}")
         object.__setattr__(self, "input_scale", float(scale))
-        if self.kind != "auto":
-            unused = [
-                f.name
-                for f in fields(self)
-                if f.name != "kind" and f.name not in _KIND_FIELDS[self.kind] and getattr(self, f.name) != f.default
-            ]
-            if unused:
-                raise ValueError(
-                    f"a {self.kind} model does not use {', '.join(unused)}"
-                    + (" (an LSTM core needs an image network)" if "lstm_size" in unused else "")
-                )
+        self._check_unused()
+
+    def _check_unused(self) -> None:
+        """A concrete kind's unused fields stay at their defaults (so equal configs build equal networks)."""
+        if self.kind == "auto":
+            return
+        unused = [
+            f.name
+            for f in fields(self)
+            if f.name != "kind" and f.name not in _KIND_FIELDS[self.kind] and getattr(self, f.name) != f.default
+        ]
+        if unused:
+            raise ValueError(
+                f"a {self.kind} model does not use {', '.join(unused)}"
+                + (" (an LSTM core needs an image network)" if "lstm_size" in unused else "")
+            )
 
     @classmethod
     def deep(cls, input_scale: float = 1 / 255, lstm_size: int = 0) -> ModelConfig:

@@ -12,7 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
-# How each field's values are checked after decoding (see wire.TrajectoryDecoder).
+# How each field's values are checked after decoding (see decoder.TrajectoryDecoder).
 CHECK_NONE = "none"  # any bit pattern is valid (uint8 pixels)
 CHECK_FINITE = "finite"  # float: no NaN, no +-inf
 CHECK_ACTION = "action"  # integer in [0, num_actions)

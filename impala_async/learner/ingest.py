@@ -20,12 +20,25 @@ import numpy as np
 
 from ..config.sections import Limits
 from ..core import wire
+from ..core.decoder import TrajectoryDecoder
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
 from .histograms import Histogram
 
 log = logging.getLogger("impala_async.learner.ingest")
 UNAUTHENTICATED = "unauthenticated"  # the key name trajectories_by_key counts under without CURVE
+
+
+def wire_limits(limits: Limits) -> wire.WireLimits:
+    """What the decoder enforces of a learner's limits."""
+    return wire.WireLimits(
+        max_message_bytes=limits.max_message_bytes,
+        max_trajectories_per_message=limits.max_trajectories_per_message,
+        max_episodes_per_message=limits.max_episodes_per_message,
+        max_actor_id_bytes=limits.max_actor_id_bytes,
+        max_abs_episode_return=limits.max_abs_episode_return,
+        max_episode_length_steps=limits.max_episode_length_steps,
+    )
 
 
 class Ingest:
@@ -50,17 +63,7 @@ class Ingest:
         self._policy_version = policy_version
         self.incarnation = incarnation  # this learner run's; messages acted under an earlier run's weights carry theirs
         self.identities = key_names is not None
-        self.decoder = wire.TrajectoryDecoder(
-            spec,
-            wire.WireLimits(
-                max_message_bytes=limits.max_message_bytes,
-                max_trajectories_per_message=limits.max_trajectories_per_message,
-                max_episodes_per_message=limits.max_episodes_per_message,
-                max_actor_id_bytes=limits.max_actor_id_bytes,
-                max_abs_episode_return=limits.max_abs_episode_return,
-                max_episode_length_steps=limits.max_episode_length_steps,
-            ),
-        )
+        self.decoder = TrajectoryDecoder(spec, wire_limits(limits))
         self.steps_per_trajectory = spec.unroll_length
         n = limits.max_trajectories_per_message
         self._scratch = {f.name: np.empty((n, *f.shape), f.dtype) for f in spec.fields}

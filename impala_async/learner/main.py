@@ -160,77 +160,22 @@ def run(
 def _serve(
     layered: Layered, spec, env_backend: str, device, keys, resumed: dict | None, group, start_monotonic: float
 ) -> int:
-    import dataclasses
-    from pathlib import Path
-
     import uvloop
 
-    from ..actors.procs import ActorProcesses, actor_argv
-    from ..core import wire
-    from ..core.spec import TrajectorySpec
-    from ..ops import auth
-    from .learn import Learner
     from .server import LearnerServer
 
     cfg = layered.cfg
     if group is not None:  # the process group; rank 0's checkpoint state, on every rank
         device, resumed = group.start(device), group.resumed
-    try:
-        learner = Learner(cfg, spec, device)
-    except ValueError as e:  # a network this observation space cannot take (an LSTM on vectors, images too small)
-        raise SystemExit(f"impala-async: {e}") from None
-    if resumed is not None:
-        if dataclasses.replace(TrajectorySpec.from_dict(resumed["spec"]), frame_stack=0) != dataclasses.replace(
-            spec, frame_stack=0
-        ):  # how frames travel may change; the network may not
-            raise SystemExit(
-                f"impala-async: the checkpoint's trajectory spec {resumed['spec']} differs from this "
-                f"run's {spec.to_dict()}: resume with the same --env and --unroll-length"
-            )
-        learner.load_state_dict(resumed["learner"])
-        log.info("resumed at %d env steps, policy version %d", learner.env_steps_trained, resumed["policy_version"])
+    learner = build_learner(cfg, spec, device, resumed)
     if group is not None:
         group.distribute(learner)  # gradients averaged over the ranks
-    run_info = {
-        "protocol": wire.PROTOCOL_VERSION,
-        "env_id": cfg.env.env,
-        "env_kwargs": cfg.env.env_kwargs_dict,
-        "spec": spec.to_dict(),
-        "model": learner.model_config.to_dict(),
-        "max_trajectories_per_message": cfg.limits.max_trajectories_per_message,
-        "max_message_bytes": cfg.limits.max_message_bytes,
-        "obs_codec": cfg.env.obs_codec,
-        "jpeg_quality": cfg.env.jpeg_quality,
-        "env_backend": env_backend,
-    }
-    server: LearnerServer | None = None
-    actors = None
-    lead = group is None or group.rank == 0
-    if group is not None and group.rank and keys is not None and cfg.local_actors > 0:
-        keys = group.share_local_actor_key(keys)  # rank 0 made train's local actors a key: admit it too
-    if cfg.local_actors > 0 and lead:
-        local_dir = ""
-        if keys is not None:  # local actors get a key pair of their own, admitted for this run only
-            local_dir, keys = auth.local_actor_keys(keys, Path(cfg.run.logdir) / ".local-actor-keys")
-            keys = keys if group is None else group.share_local_actor_key(keys)
-        options = cfg.actors.options()
-        actors = ActorProcesses.with_options(
-            lambda i, fd: actor_argv(
-                *server.endpoints,
-                i,
-                fd,
-                seed=cfg.run.seed,
-                options=options,
-                curve_keys=str(local_dir) if local_dir else "",
-            ),
-            cfg.local_actors,
-            options,
-        )
+    actors, keys = _local_actors(cfg, keys, group, lambda: server.endpoints)
     server = LearnerServer(
         cfg,
         learner,
         spec,
-        run_info,
+        run_info(cfg, spec, learner, env_backend),
         start_monotonic=start_monotonic,
         actors=actors,
         keys=keys,
@@ -242,3 +187,73 @@ def _serve(
     if code and server.lead:
         print(f"impala-async: stopped: {server.exit_reason}", file=sys.stderr)
     return code if group is None else group.exit(code)
+
+
+def build_learner(cfg: LearnerConfig, spec, device, resumed: dict | None):
+    """The network and optimizer, with a resumed run's state; SystemExit (one line) for a network this observation
+    space cannot take or a checkpoint of another spec."""
+    import dataclasses
+
+    from ..core.spec import TrajectorySpec
+    from .learn import Learner
+
+    try:
+        learner = Learner(cfg, spec, device)
+    except ValueError as e:  # a network this observation space cannot take (an LSTM on vectors, images too small)
+        raise SystemExit(f"impala-async: {e}") from None
+    if resumed is None:
+        return learner
+    # How frames travel may change; the network may not.
+    if dataclasses.replace(TrajectorySpec.from_dict(resumed["spec"]), frame_stack=0) != dataclasses.replace(
+        spec, frame_stack=0
+    ):
+        raise SystemExit(
+            f"impala-async: the checkpoint's trajectory spec {resumed['spec']} differs from this run's "
+            f"{spec.to_dict()}: resume with the same --env and --unroll-length"
+        )
+    learner.load_state_dict(resumed["learner"])
+    log.info("resumed at %d env steps, policy version %d", learner.env_steps_trained, resumed["policy_version"])
+    return learner
+
+
+def run_info(cfg: LearnerConfig, spec, learner, env_backend: str) -> dict:
+    """What actors learn of the run from every weights message (docs/protocol.md, run)."""
+    from ..core import wire
+
+    return {
+        "protocol": wire.PROTOCOL_VERSION,
+        "env_id": cfg.env.env,
+        "env_kwargs": cfg.env.env_kwargs_dict,
+        "spec": spec.to_dict(),
+        "model": learner.model_config.to_dict(),
+        "max_trajectories_per_message": cfg.limits.max_trajectories_per_message,
+        "max_message_bytes": cfg.limits.max_message_bytes,
+        "obs_codec": cfg.env.obs_codec,
+        "jpeg_quality": cfg.env.jpeg_quality,
+        "env_backend": env_backend,
+    }
+
+
+def _local_actors(cfg: LearnerConfig, keys, group, endpoints):
+    """(train's local actor processes, not started, or None; the CURVE keys, with theirs admitted). ``endpoints()``
+    gives the addresses bound once the server has started."""
+    from pathlib import Path
+
+    from ..actors.procs import ActorProcesses, actor_argv
+    from ..ops import auth
+
+    lead = group is None or group.rank == 0
+    if group is not None and group.rank and keys is not None and cfg.local_actors > 0:
+        keys = group.share_local_actor_key(keys)  # rank 0 made train's local actors a key: admit it too
+    if cfg.local_actors <= 0 or not lead:
+        return None, keys
+    local_dir = ""
+    if keys is not None:  # local actors get a key pair of their own, admitted for this run only
+        local_dir, keys = auth.local_actor_keys(keys, Path(cfg.run.logdir) / ".local-actor-keys")
+        keys = keys if group is None else group.share_local_actor_key(keys)
+    options = cfg.actors.options()
+
+    def argv(i: int, fd: int) -> list[str]:
+        return actor_argv(*endpoints(), i, fd, seed=cfg.run.seed, options=options, curve_keys=str(local_dir or ""))
+
+    return ActorProcesses.with_options(argv, cfg.local_actors, options), keys

@@ -141,65 +141,71 @@ def join_lead(cfg, shared: dict, resumed: dict | None, argv: list[str]):
     """Rank 0: under torchrun join its rendezvous; with --learner-ranks N > 1 host one and start ranks 1..N-1 (the same
     command line). Shares ``shared`` (the resolved configuration, its layers, the spec) and the learner's incarnation.
     None for a learner of one rank."""
-    got = launched()
-    children: list[subprocess.Popen] = []
-    listener = None
+    from ..core import wire
+
     world = cfg.ranks.learner_ranks
     if world == 1:
         return None
+    got = launched()
+    _log_format(0)
     if got is not None:  # torchrun (torchrun_world made learner_ranks its WORLD_SIZE)
-        local = got[2]
-        _log_format(0)
         raw, store = _connect(0, world, cfg.ranks.rank_start_timeout_s)
+        group = RankGroup(0, world, got[2], raw, store)
     else:
-        from torch.distributed import TCPStore
-
-        local = 0
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))  # loopback only: nothing outside this machine reaches the store
-        listener.listen(4 * world)
-        port = listener.getsockname()[1]
-        raw = TCPStore(
-            "127.0.0.1",
-            port,
-            world,
-            is_master=True,
-            timeout=timedelta(seconds=cfg.ranks.rank_start_timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=listener.fileno(),
-        )
-        store = _prefix(raw)
-        env = dict(
-            os.environ,
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            PYTHONUNBUFFERED="1",
-            **{PARENT_ENV: str(os.getpid())},
-        )
-        if "GLOO_SOCKET_IFNAME" not in env and "lo" in {name for _, name in socket.if_nameindex()}:
-            os.environ["GLOO_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs on loopback too
-        _log_format(0)
-        for r in range(1, world):
-            # Own session: a Ctrl-C in the terminal reaches rank 0 only, which stops the others in order.
-            children.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "impala_async", *argv],
-                    stdin=subprocess.DEVNULL,
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                    start_new_session=True,
-                )
-            )
-            log.info("learner rank %d: pid %d", r, children[-1].pid)
-    group = RankGroup(0, world, local, raw, store, children)
-    group.listener = listener
+        listener, raw = _host_store(world, cfg.ranks.rank_start_timeout_s)
+        group = RankGroup(0, world, 0, raw, _prefix(raw), _start_ranks(world, listener.getsockname()[1], argv))
+        group.listener = listener
     group.cfg, group.resumed = cfg, resumed
-    from ..core import wire
-
     group.incarnation = wire.new_incarnation()  # one for the whole learner: trajectories carry it to any rank
-    store.set("config", json.dumps({**shared, "incarnation": group.incarnation}))
+    group.store.set("config", json.dumps({**shared, "incarnation": group.incarnation}))
     return group
+
+
+def _host_store(world: int, timeout_s: float):
+    """(listening socket, TCPStore) on a free loopback port: nothing outside this machine reaches the store."""
+    from torch.distributed import TCPStore
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4 * world)
+    raw = TCPStore(
+        "127.0.0.1",
+        listener.getsockname()[1],
+        world,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
+    )
+    return listener, raw
+
+
+def _start_ranks(world: int, port: int, argv: list[str]) -> list[subprocess.Popen]:
+    """Ranks 1..world-1 as children running the same command line, each in its own session (a Ctrl-C in the terminal
+    reaches rank 0 only, which stops the others in order) and dying with rank 0."""
+    env = dict(
+        os.environ,
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+        **{PARENT_ENV: str(os.getpid())},
+    )
+    if "GLOO_SOCKET_IFNAME" not in env and "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ["GLOO_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs on loopback too
+    children = []
+    for r in range(1, world):
+        children.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "impala_async", *argv],
+                stdin=subprocess.DEVNULL,
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                start_new_session=True,
+            )
+        )
+        log.info("learner rank %d: pid %d", r, children[-1].pid)
+    return children
 
 
 class RankGroup:

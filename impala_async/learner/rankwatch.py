@@ -70,49 +70,62 @@ class RankWatch:
 
     def _run(self) -> None:
         cfg, group, seq, started = self.cfg, self.group, 0, time.monotonic()
-        store, me = group.store, group.rank
-        others = [r for r in range(group.world) if r != me]
+        others = [r for r in range(group.world) if r != group.rank]
         while not self._halt.is_set():
             seq += 1
             try:
-                store.set(f"beat/{me}", json.dumps({"seq": seq, **heartbeat_figures(self._figures())}))
-                if self._announce is not None and not self._announced:
-                    reason, code = self._announce
-                    store.compare_set("stop", "", json.dumps({"rank": me, "reason": reason, "code": code}))
-                    self._announced = True  # written, or another rank's came first: either way, once
-                stop = json.loads(store.get("stop")) if store.check(["stop"]) else None
-                beats = {r: json.loads(store.get(f"beat/{r}")) for r in others if store.check([f"beat/{r}"])}
+                stop, beats = self._exchange(seq, others)
             except Exception as e:  # the store is gone, and with it the rank that hosted it
                 if not self._halt.is_set():
                     self._stop(f"lost the learner ranks' store ({str(e)[:200]}): rank 0 is gone", EXIT_RANK_FAILED)
                 return
-            now = time.monotonic()
-            if stop is not None and stop["rank"] != me:
+            if stop is not None and stop["rank"] != group.rank:
                 self._stop(
                     f"learner rank {stop['rank']} stopped: {stop['reason']}",
                     0 if stop["code"] == 0 else EXIT_RANK_FAILED,
                 )
-            for r, child in enumerate(group.children, start=1):
-                if child.poll() is not None:
-                    code = child.returncode
-                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                    self._stop(f"learner rank {r} (pid {child.pid}) {how}", EXIT_RANK_FAILED)
-            for r in others:
-                if r in beats:
-                    self.peers_seen[r] = beats[r]
-                    if self._heard.get(r, (None,))[0] != beats[r]["seq"]:
-                        self._heard[r] = (beats[r]["seq"], now)
-                last = self._heard.get(r, (None, started))[1]
-                if now - last > cfg.ranks.rank_heartbeat_timeout_s:
-                    self._stop(
-                        f"learner rank {r} silent for {now - last:.1f} s (rank_heartbeat_timeout_s="
-                        f"{cfg.ranks.rank_heartbeat_timeout_s:g}): dead or hung",
-                        EXIT_RANK_FAILED,
-                    )
-                    if r <= len(group.children) and group.children[r - 1].poll() is None:
-                        group.children[r - 1].kill()  # hung: it has nothing to save, and its peers wait for it
+            self._check_children()
+            self._check_peers(beats, others, started)
             self._wake.wait(cfg.ranks.rank_heartbeat_interval_s)
             self._wake.clear()
+
+    def _exchange(self, seq: int, others: list[int]) -> tuple[dict | None, dict]:
+        """Write this rank's beat (and its stop, once); read the stop key and the others' beats."""
+        store, me = self.group.store, self.group.rank
+        store.set(f"beat/{me}", json.dumps({"seq": seq, **heartbeat_figures(self._figures())}))
+        if self._announce is not None and not self._announced:
+            reason, code = self._announce
+            store.compare_set("stop", "", json.dumps({"rank": me, "reason": reason, "code": code}))
+            self._announced = True  # written, or another rank's came first: either way, once
+        stop = json.loads(store.get("stop")) if store.check(["stop"]) else None
+        beats = {r: json.loads(store.get(f"beat/{r}")) for r in others if store.check([f"beat/{r}"])}
+        return stop, beats
+
+    def _check_children(self) -> None:
+        """Rank 0 with ranks it started: one that exits is noticed at once."""
+        for r, child in enumerate(self.group.children, start=1):
+            if child.poll() is not None:
+                code = child.returncode
+                how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                self._stop(f"learner rank {r} (pid {child.pid}) {how}", EXIT_RANK_FAILED)
+
+    def _check_peers(self, beats: dict, others: list[int], started: float) -> None:
+        """Keep the others' figures; one silent for rank_heartbeat_timeout_s is taken for dead (a child killed)."""
+        now, timeout_s, children = time.monotonic(), self.cfg.ranks.rank_heartbeat_timeout_s, self.group.children
+        for r in others:
+            if r in beats:
+                self.peers_seen[r] = beats[r]
+                if self._heard.get(r, (None,))[0] != beats[r]["seq"]:
+                    self._heard[r] = (beats[r]["seq"], now)
+            last = self._heard.get(r, (None, started))[1]
+            if now - last > timeout_s:
+                self._stop(
+                    f"learner rank {r} silent for {now - last:.1f} s (rank_heartbeat_timeout_s={timeout_s:g}): "
+                    "dead or hung",
+                    EXIT_RANK_FAILED,
+                )
+                if r <= len(children) and children[r - 1].poll() is None:
+                    children[r - 1].kill()  # hung: it has nothing to save, and its peers wait for it
 
     def explain(self, error: BaseException) -> tuple[str, int]:
         """Why the training thread failed: a peer that died or stopped (found by this thread, given a moment), or the
