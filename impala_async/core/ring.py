@@ -32,7 +32,7 @@ class Batch(NamedTuple):
     index: int  # batch slot in the ring
     tensors: dict  # field name -> tensor [B, *field.shape], a view of ring storage
     policy_versions: np.ndarray  # [B] int64, behaviour policy version of each trajectory
-    arrival_ns: np.ndarray  # [B] int64, time.monotonic_ns() when each trajectory landed in its slot
+    arrival_ns: np.ndarray  # [B] int64, time.time_ns() (wall clock, as actors' sent_at_ns) when each landed in its slot
 
 
 class TrajectoryRing:

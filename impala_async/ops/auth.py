@@ -42,7 +42,6 @@ ZAP handler is listening, unless ZAP_ENFORCE_DOMAIN is set; ``make_curve_server`
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import logging
 import os
 import pwd
@@ -58,6 +57,8 @@ from zmq.auth import load_certificate
 from zmq.auth.base import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+
+from ..core.address import is_local
 
 log = logging.getLogger("impala_async.ops.auth")
 
@@ -386,32 +387,11 @@ def stop_authenticator(auth: Authenticator) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ insecure binding
-def _is_local_address(address: str) -> bool:
-    """True for ipc://, inproc:// and tcp:// on a loopback host (127.0.0.0/8, ::1, localhost)."""
-    transport, sep, rest = address.partition("://")
-    transport = transport.lower()
-    if not sep:
-        return False
-    if transport in ("ipc", "inproc"):
-        return True
-    if transport != "tcp":
-        return False
-    host = rest.rpartition(":")[0].lower()
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # '*', a hostname or an interface name: may be reachable from other machines
-
-
 def refuse_insecure(listen: str, publish: str, curve: bool, insecure: bool) -> None:
     """Raise ValueError if the learner would bind a non-loopback address without CURVE and without ``insecure``."""
     if curve or insecure:
         return
-    exposed = [a for a in (listen, publish) if not _is_local_address(a)]
+    exposed = [a for a in (listen, publish) if not is_local(a)]
     if exposed:
         raise ValueError(
             f"refusing to bind {' and '.join(exposed)} without CURVE: anyone who can reach it could push "
