@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from .actors import ActorOptions
 from .fields import coerce, fields_of, flag_of, kind_of, need, opt
 from .machine import usable_cpus
-from .sections import Checkpoints, Env, Limits, Loss, Model, Network, Observe, Ranks, Ring, Run
+from .sections import Env, Loss, Model, Ring, Run
+from .service import Checkpoints, Limits, Network, Observe, Ranks
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..config.sections import Limits
+from ..config.service import Limits
 from ..core import wire
 from ..core.decoder import TrajectoryDecoder
 from ..core.ring import TrajectoryRing

@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from ..config.sections import Limits, Network
+from ..config.service import Limits, Network
 from ..ops import zmtp
 from .guard import ConnectionGuard, guard_source
 from .ingest import Ingest

@@ -17,7 +17,7 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
-from ..config.sections import Observe
+from ..config.service import Observe
 from ..core.wire import REJECT_REASONS
 from ..ops import httpd
 from .counters import Snapshot
