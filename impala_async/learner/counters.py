@@ -47,7 +47,8 @@ def figures(sources: Iterable[Callable[[], dict]]) -> dict:
     for counters in sources:
         got = counters()
         overlap = out.keys() & got.keys()
-        assert not overlap, f"two parts count {sorted(overlap)}"
+        if overlap:  # a programming error, not a peer's: fail loudly, also under python -O
+            raise RuntimeError(f"two parts count {sorted(overlap)}")
         out.update(got)
     out["dropped_stale"] = out.pop("ring_dropped_stale", 0) + out.pop("ingest_dropped_stale", 0)
     out["trajectories_dropped"] = out["dropped_full"] + out["dropped_stale"] + out["dropped_incarnation"]

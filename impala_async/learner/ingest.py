@@ -227,20 +227,21 @@ class Ingest:
             for name, rows in ring.rows(m).items():
                 np.copyto(rows, self._scratch[name][i : i + m])
             ring.commit(m, msg.policy_version, arrival_ns)
-            self._accepted(msg, m)
             i += m
+            self._accepted(msg, m, whole=i >= msg.n)
         self.pending = None if i >= msg.n else (msg, i, arrival_ns)
         self.stage_s["decode"] += time.perf_counter() - t0
         return self.pending is None
 
-    def _accepted(self, msg: wire.TrajectoryMessage, m: int) -> None:
+    def _accepted(self, msg: wire.TrajectoryMessage, m: int, whole: bool = True) -> None:
+        """``m`` trajectories of ``msg`` are in the ring; ``whole``: its last ones (its latency counts once, then)."""
         self.trajectories_received += m
         if msg.fields[self._image_field][0] == wire.CODEC_JPEG:
             self.trajectories_jpeg += m
         self.env_steps += m * self.steps_per_trajectory
         self.decoded_bytes += m * self.spec.trajectory_nbytes
         self.last_data_at = time.monotonic()
-        if msg.sent_at_ns is not None:  # a peer's clock reading: counted only when plausible
+        if whole and msg.sent_at_ns is not None:  # a peer's clock reading: counted only when plausible
             latency_s = (time.time_ns() - msg.sent_at_ns) * 1e-9
             if 0.0 <= latency_s <= self.limits.max_plausible_latency_s:
                 self.latency_s.add(latency_s)
