@@ -85,11 +85,13 @@ def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
       when it encoded those weights, before those episodes were counted, and the schedule rises.
     - at most LAG behind: at least schedule(E - 100 - LAG). Between the encoding and the counting lie the episodes in
       flight: the unroll being played when the weights arrive (an actor reads weights between unrolls), messages
-      queued at the actor and at the learner (ZeroMQ marks of 4 and 8 messages) and the next unroll, 20 episodes
-      each here (4 one-step environments x 5 steps). The learner reads promptly (``--when-full drop_oldest``, the
-      default, drops batches rather than stop reading): measured, under 300 episodes. LAG = 2,000 allows for a loaded
-      machine, still within 0.16 of the 1.5 the ramp climbs. (With ``--when-full wait`` a backlog in the sockets'
-      kernel buffers adds thousands of episodes of lag.)
+      queued at the actor and at the learner (ZeroMQ marks of 4 and 8 messages, and the kernel's socket buffers,
+      sized to about as many by default) and the next unroll, 20 episodes each here (4 one-step environments x 5
+      steps). Before the learner sets a pace (its first seconds, and again after the resume) an actor runs at most
+      its send mark ahead of the weights (docs/protocol.md, Flow control). Measured with both: at most 172 episodes in
+      7 runs. Without them the kernel's autotuned buffers held up to 867 messages (17,000 episodes played with one
+      difficulty) while a learner warmed up, and this test failed about one run in four. LAG = 2,000 allows for a
+      loaded machine, still within 0.16 of the 1.5 the ramp climbs.
 
     The run stops (early on the ramp, or past it on a slow machine that drops many batches: the budget counts trained
     steps) and resumes from its checkpoint: the episode count, and with it the schedule, continues.

@@ -121,20 +121,20 @@ def test_an_actor_follows_the_learner_or_its_own_flag(monkeypatch, caplog):
     """run.env_backend is informational: without EnvPool the actor falls back to gymnasium, with a warning; its own
     --env-backend envpool is a demand, refused (None, logged) without EnvPool."""
     pytest.importorskip("ale_py", reason="the fallback builds ALE environments: the atari extra")
-    from impala_async.actors import actor
+    from impala_async.actors import actor, runs
 
     block_envpool(monkeypatch)
     run_info = {"env_id": "ALE/Pong-v5", "env_backend": "envpool"}
     cfg = actor.ActorConfig(learner="tcp://127.0.0.1:1", weights="tcp://127.0.0.1:2")
-    envs = actor._make_envs(cfg, run_info, 1, "uint8", [0])
+    envs = runs._make_envs(cfg, run_info, 1, "uint8", [0])
     assert envs is not None and envs.backend == "gymnasium"
     envs.close()
     assert "pip install 'impala-async[envpool]'" in caplog.text and "using gymnasium" in caplog.text
-    envs = actor._make_envs(cfg, dict(run_info, env_backend="warp-drive"), 1, "uint8", [0])
+    envs = runs._make_envs(cfg, dict(run_info, env_backend="warp-drive"), 1, "uint8", [0])
     assert envs.backend == "gymnasium" and "unknown env backend 'warp-drive'" in caplog.text
     envs.close()
     cfg = actor.ActorConfig(learner="tcp://127.0.0.1:1", weights="tcp://127.0.0.1:2", env_backend="envpool")
-    assert actor._make_envs(cfg, run_info, 1, "uint8", [0]) is None
+    assert runs._make_envs(cfg, run_info, 1, "uint8", [0]) is None
 
 
 envpool = pytest.importorskip("envpool", reason="needs the envpool extra: pip install 'impala-async[envpool]'")

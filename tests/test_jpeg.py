@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 simplejpeg = pytest.importorskip("simplejpeg")
 
-from impala_async.actors.actor import image_codec  # noqa: E402
 from impala_async.actors.envs import PongLike  # noqa: E402
+from impala_async.actors.runs import image_codec  # noqa: E402
 from impala_async.config import LearnerConfig  # noqa: E402
 from impala_async.core import codecs, wire  # noqa: E402
 from impala_async.core.decoder import TrajectoryDecoder  # noqa: E402

@@ -319,6 +319,39 @@ def test_another_incarnation_is_dropped_not_rejected():
     assert ring_state(p.ring) == (4, 0, 0) and p.pacer.calls == []
 
 
+def test_another_runs_message_of_another_spec_is_dropped_not_rejected():
+    """An actor of the previous run may still send under that run's spec (another unroll length, another network's
+    core state) after a restart: the incarnation, read before the fields, drops it (counted by the trajectories it
+    says it holds); checking its fields against this run's spec first rejected it as bad_field (docs/protocol.md,
+    Learner restarts)."""
+    p = data_path()
+    other = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=7)
+    data = wire.encode_trajectories(
+        other,
+        actor_id="old",
+        seq=0,
+        policy_version=90,
+        incarnation=INCARNATION + 1,
+        arrays=random_arrays(other, 3, seed=1),
+        episodes=[],
+    )
+    p.ingest.handle(data)
+    got = p.ingest.counters()
+    assert got["dropped_incarnation"] == 3 and got["messages_rejected"] == 0 and got["rejected_bad_field"] == 0
+    with pytest.raises(wire.Rejected, match="bad_size|bad_field"):  # this run's own message of that shape: rejected
+        p.ingest.decoder.parse(
+            wire.encode_trajectories(
+                other,
+                actor_id="x",
+                seq=0,
+                policy_version=1,
+                incarnation=INCARNATION,
+                arrays=random_arrays(other, 1),
+                episodes=[],
+            )
+        )
+
+
 def test_the_pacer_hears_of_accepted_messages_only():
     """One ``accepted(actor key, trajectories)`` per accepted message, none for a rejected, replayed, stale, future
     or other-incarnation one. Guards against flow control counting senders whose data never arrived."""

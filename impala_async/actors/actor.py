@@ -1,7 +1,10 @@
 """An actor: steps K environments with the latest policy it has received and pushes unrolls to the learner.
 
 Runs in its own process. Imports only the pure core (spec, wire, models) and never learner code. It learns everything
-about the run (environment id, trajectory spec, network) from the first weights message, and never acts before that.
+about the run (environment id, trajectory spec, network) from the weights messages, and never acts before the first.
+Everything built from a run is one :class:`Run`; when the learner restarts (a new incarnation in its weights) the actor
+compares the new run with its own and acts on in it, rebuilding what changed, or exits with
+:data:`EXIT_RUN_CHANGED` (docs/protocol.md, "Learner restarts").
 """
 
 from __future__ import annotations
@@ -12,43 +15,32 @@ import secrets
 import signal
 import socket
 import time
-from dataclasses import dataclass
 
-import gymnasium as gym
-import numpy as np
 import torch
 import zmq
 
-from ..config import ActorOptions
-from ..core import codecs, frames, wire
+from ..config.actors import ActorConfig
+from ..config.resolve import auto_buffer_bytes
+from ..core import wire
 from ..core.address import port_offset
-from ..ops import zmtp
-from .endpoints import Endpoints
-from .procs import BEAT, GRACE, die_with_parent
-from .rollout import Policy, unroll
-from .vec import AUTO, BACKENDS, VecEnv, make_vec
+from ..ops import exitcodes, zmtp
+from .acting import MAX_WEIGHTS_BYTES, Acting, Throttled, _receive_weights
+from .procs import Heartbeat, die_with_parent
+from .runs import RunError, build_run
 
 log = logging.getLogger("impala_async.actors.actor")
 
 
-MAX_WEIGHTS_BYTES = 256 << 20  # ZMQ_MAXMSGSIZE of the weights socket: the largest weights message taken
-MAX_PACE_WAIT_S = 60.0  # flow control: the longest an actor waits between two unrolls for the pace
-
-
-@dataclass(frozen=True)
-class ActorConfig:
-    """One actor process: the learner it attaches to, its options (config/actors.py: the same whoever starts it),
-    and its place among its supervisor's actors."""
-
-    learner: str  # PUSH connects here (the learner's --listen)
-    weights: str  # SUB connects here (the learner's --publish)
-    options: ActorOptions = ActorOptions()
-    index: int = 0
-    seed: int = 0
-    curve_keys: str = ""  # directory with actor.key_secret and learner.key: connect with CURVE
-    env_backend: str = ""  # gymnasium or envpool (Atari ids only); "": the learner's run.env_backend
-    parent_pid: int = 0  # exit when this process goes away (local actors)
-    heartbeat_fd: int = -1  # write end of the supervisor's heartbeat pipe (local actors)
+EXIT_NO_WEIGHTS, EXIT_REFUSED, EXIT_RUN_CHANGED = exitcodes.NO_WEIGHTS, exitcodes.REFUSED, exitcodes.RUN_CHANGED
+__all__ = [
+    "ActorConfig",
+    "EXIT_NO_WEIGHTS",
+    "EXIT_REFUSED",
+    "EXIT_RUN_CHANGED",
+    "HandshakeWatch",
+    "run",
+    "weights_address",
+]
 
 
 def weights_address(learner: str) -> str:
@@ -64,69 +56,8 @@ class _Stop:
         self.requested = True
 
 
-class Heartbeat:
-    """Writes a byte to the supervisor's pipe at most every interval_s; called from every loop of the actor, so that
-    silence means the actor is stuck (or stopped), not merely that some helper thread is alive."""
-
-    def __init__(self, fd: int, interval_s: float):
-        self.fd, self.interval_s = fd, interval_s
-        self.next_at = 0.0
-        if fd >= 0:
-            os.set_blocking(fd, False)
-
-    def __call__(self) -> None:
-        if self.fd < 0:
-            return
-        now = time.monotonic()
-        if now >= self.next_at:
-            self.next_at = now + self.interval_s
-            self._write(BEAT)
-
-    def grace(self) -> None:
-        """Tell the supervisor that a long step without beats comes next (building the environments): it then waits
-        up to procs.STARTUP_GRACE_S for the next beat instead of heartbeat_timeout_s."""
-        if self.fd >= 0:
-            self.next_at = 0.0  # the step's end beats at once
-            self._write(GRACE)
-
-    def _write(self, byte: bytes) -> None:
-        try:
-            os.write(self.fd, byte)
-        except (BlockingIOError, BrokenPipeError):
-            pass  # a full pipe means the supervisor is behind; a broken one, that it is gone
-
-
-def image_codec(run_info: dict, codec: str) -> tuple[str, int]:
-    """``(codec, JPEG quality)`` for the image field: jpeg at ``run.jpeg_quality`` where the learner's ``run.obs_codec``
-    asks for it, else this actor's own ``codec`` (lz4, an absent or unknown value included: the learner accepts lz4
-    from any actor). ImportError, one line naming the ``pip install``, if jpeg is asked for and simplejpeg missing."""
-    if run_info.get("obs_codec") != wire.CODEC_JPEG:
-        return codec, codecs.DEFAULT_QUALITY
-    codecs.jpeg_module()
-    return wire.CODEC_JPEG, int(run_info.get("jpeg_quality", codecs.DEFAULT_QUALITY))
-
-
-def _receive_weights(
-    sub: zmq.Socket, max_bytes: int, timeout_ms: int, have: tuple[int, int] | None = None
-) -> wire.WeightsMessage | None:
-    """Newest weights message (SUB is CONFLATEd) unless it is the ``(version, incarnation)`` already ``have``, or
-    None if none arrived within timeout_ms."""
-    if not sub.poll(timeout_ms, zmq.POLLIN):
-        return None
-    try:
-        data = sub.recv(zmq.NOBLOCK)
-        if have is not None and wire.weights_header(data) == have:
-            return None  # a re-sent copy: skip decoding the tensors
-        return wire.decode_weights(data, max_bytes)
-    except zmq.Again:
-        return None
-    except wire.Rejected as e:
-        log.warning("ignoring a weights message: %s", e)
-        return None
-
-
 def run(cfg: ActorConfig) -> int:
-    """Act until SIGINT/SIGTERM (or the parent's death). Returns the exit code."""
+    """Act until SIGINT/SIGTERM (or the parent's death). Returns the exit code (ops/exitcodes.py)."""
     die_with_parent(cfg.parent_pid)
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop)
@@ -155,6 +86,9 @@ def run(cfg: ActorConfig) -> int:
     if opts.send_buffer_bytes:
         push.setsockopt(zmq.SNDBUF, opts.send_buffer_bytes)
     push.setsockopt(zmq.LINGER, 0)
+    # Messages queue only on live connections: what was queued for a learner that went away is dropped with the
+    # connection, never delivered to the next learner at that address (which may run another spec).
+    push.setsockopt(zmq.IMMEDIATE, 1)
     push.connect(cfg.learner)
     try:
         return _act(cfg, actor_id, sub, push, stop, Heartbeat(cfg.heartbeat_fd, opts.heartbeat_interval_s), watch)
@@ -163,6 +97,33 @@ def run(cfg: ActorConfig) -> int:
         sub.close(0)
         push.close(0)
         ctx.term()
+
+
+def _first_weights(
+    cfg: ActorConfig, sub: zmq.Socket, stop: _Stop, beat: Heartbeat, watch: HandshakeWatch
+) -> wire.WeightsMessage | int:
+    """The first weights message, or an exit code: 0 if stopped first, else no weights within
+    ``--max-wait-for-weights-s`` (refused, or absent)."""
+    opts = cfg.options
+    deadline = time.monotonic() + opts.max_wait_for_weights_s
+    warn = Throttled()
+    while True:
+        beat()
+        watch.poll()
+        if stop.requested:
+            return exitcodes.OK
+        if time.monotonic() > deadline:
+            log.error(
+                "actor %d: no weights from %s within %.0f s: %s",
+                cfg.index,
+                cfg.weights,
+                opts.max_wait_for_weights_s,
+                watch.diagnosis(),
+            )
+            return EXIT_REFUSED if watch.refused else EXIT_NO_WEIGHTS
+        first = _receive_weights(sub, MAX_WEIGHTS_BYTES, 100, warn=warn)
+        if first is not None:
+            return first
 
 
 def _act(
@@ -174,136 +135,46 @@ def _act(
     beat: Heartbeat,
     watch: HandshakeWatch,
 ) -> int:
-    opts = cfg.options
-    deadline = time.monotonic() + opts.max_wait_for_weights_s
-    first = None
-    while first is None:
-        beat()
-        watch.poll()
-        if stop.requested:
-            return 0
-        if time.monotonic() > deadline:
-            log.error(
-                "actor %d: no weights from %s within %.0f s: %s",
-                cfg.index,
-                cfg.weights,
-                opts.max_wait_for_weights_s,
-                watch.diagnosis(),
-            )
-            return EXIT_REFUSED if watch.refused else EXIT_NO_WEIGHTS
-        first = _receive_weights(sub, MAX_WEIGHTS_BYTES, 100)
-    policy = Policy(first, opts.device)
-    ranks = Endpoints(push, cfg.learner)  # a learner of several ranks lists them all: push to each (endpoints.py)
-    ranks.update(first.run_info)
-    spec, run_info = policy.spec, policy.run_info
-    T, K = spec.unroll_length, opts.envs_per_actor
-    per_message = int(run_info.get("max_trajectories_per_message", K)) or K
+    first = _first_weights(cfg, sub, stop, beat, watch)
+    if isinstance(first, int):
+        return first
     try:
-        images, quality = image_codec(run_info, opts.codec)
-    except ImportError as e:
-        log.error("actor %d: the learner asks for JPEG images (run.obs_codec): %s", cfg.index, e)
-        return 2
-    seeds = np.random.SeedSequence([cfg.seed, cfg.index]).generate_state(K + 1)
-    rng = np.random.default_rng(seeds[K])
-    beat.grace()  # building K environments can take longer than heartbeat_timeout_s (32 ALE games: about 10 s)
-    envs = _make_envs(cfg, run_info, K, spec.obs_dtype, seeds[:K])
-    if envs is None:
-        return 2
-    envs.set_difficulty(first.difficulty)  # the curriculum's value (None: none); each env takes it at its reset
-    envs.reset(seeds[:K])
-    beat()
-    buf = {f.name: np.zeros((K, *f.shape), f.dtype) for f in spec.fields}
-    # Observations [K, T+1, *obs_shape]; with frame_stack they are packed into buf["frames"] before sending.
-    obs_buf = np.zeros((K, T + 1, *spec.obs_shape), spec.obs_dtype) if spec.frame_stack else buf["obs"]
-    seq = 0
-    state = policy.initial_state(K)  # carried across unrolls; reset where an episode begins
-    pace = first.pace_s_per_trajectory  # flow control: the least seconds per trajectory between unroll starts
+        current = build_run(cfg, first, beat)
+    except RunError as e:
+        log.error("actor %d: cannot act in the learner's run: %s", cfg.index, e)
+        return exitcodes.USAGE
     log.info(
         "actor %d (%s): %d x %s (%s, %s), policy version %d",
         cfg.index,
         actor_id,
-        K,
-        run_info["env_id"],
-        envs.backend,
-        policy.device,
-        policy.version,
+        cfg.options.envs_per_actor,
+        current.info["env_id"],
+        current.envs.backend,
+        current.policy.device,
+        current.policy.version,
     )
-    while not stop.requested:
-        unroll_start = time.monotonic()
-        state = unroll(policy, envs, state, rng, buf, obs_buf, beat)
-        if spec.frame_stack:
-            try:
-                buf["frames"][:] = frames.pack(obs_buf, buf["terminated"] | buf["truncated"])
-            except ValueError as e:
-                log.error("actor %d: %s", cfg.index, e)
-                return 2
-        episodes = envs.pop_episodes()
-        for lo in range(0, K, per_message):  # the learner caps trajectories per message
-            part = buf if per_message >= K else {name: a[lo : lo + per_message] for name, a in buf.items()}
-            msg = wire.encode_trajectories(
-                spec,
-                actor_id=actor_id,
-                seq=seq,
-                policy_version=policy.version,
-                incarnation=policy.incarnation,
-                arrays=part,
-                episodes=episodes,
-                codec=opts.codec,
-                sent_at_ns=time.time_ns(),
-                image_codec=images,
-                jpeg_quality=quality,
-            )
-            if not _send(push, msg, stop, beat):
-                break
-            seq += 1
-            episodes = []
-        # Newer weights, then, while the learner's pace says this actor is ahead, wait for the pace (taking weights
-        # that arrive meanwhile: the next unroll then acts with a fresher policy). docs/protocol.md, Flow control.
-        wait_ms = 0
-        while True:
-            watch.poll()
-            beat()
-            newer = _receive_weights(sub, MAX_WEIGHTS_BYTES, wait_ms, have=(policy.version, policy.incarnation))
-            if newer is not None:
-                policy.load(newer)
-                ranks.update(newer.run_info)
-                if newer.difficulty is not None:
-                    envs.set_difficulty(newer.difficulty)
-                pace = newer.pace_s_per_trajectory
-            left_s = unroll_start + min(K * pace, MAX_PACE_WAIT_S) - time.monotonic()
-            if left_s <= 0 or stop.requested:
-                break
-            wait_ms = max(1, min(100, int(left_s * 1000)))
-    envs.close()
-    return 0
-
-
-def _make_envs(cfg: ActorConfig, run_info: dict, K: int, obs_dtype: str, seeds) -> VecEnv | None:
-    """The actor's K environments on its backend: ``cfg.env_backend``, else the learner's ``run.env_backend``
-    (informational: a backend the learner names that is unknown or not installed here falls back to gymnasium,
-    with a warning). None, the reason logged, if they cannot be built."""
-    backend, asked = cfg.env_backend, "--env-backend"
-    if not backend:
-        backend, asked = str(run_info.get("env_backend") or "gymnasium"), "the learner's run.env_backend"
-        if backend not in (AUTO, *BACKENDS):
-            log.warning("actor %d: unknown env backend %r from the learner: using gymnasium", cfg.index, backend)
-            backend = "gymnasium"
-    env_id, env_kwargs = run_info["env_id"], run_info.get("env_kwargs", {})
+    _size_send_buffer(push, cfg, current.spec.trajectory_nbytes)
+    acting = Acting(cfg, actor_id, sub, push, stop, beat, watch, current, first)
     try:
-        return make_vec(env_id, env_kwargs, K, backend, obs_dtype, seeds=seeds)
-    except (gym.error.DependencyNotInstalled, ValueError) as e:
-        if cfg.env_backend or backend == "gymnasium":
-            log.error("actor %d: cannot build %s (%s): %s", cfg.index, env_id, asked, e)
-            return None
-        log.warning("actor %d: %s (%s asks for envpool): using gymnasium", cfg.index, e, asked)
-    try:
-        return make_vec(env_id, env_kwargs, K, "gymnasium", obs_dtype)
-    except (gym.error.DependencyNotInstalled, ValueError) as e:
-        log.error("actor %d: cannot build %s: %s", cfg.index, env_id, e)
-        return None
+        return acting.loop()
+    finally:
+        acting.run.close()
 
 
-EXIT_NO_WEIGHTS, EXIT_REFUSED = 3, 5
+def _size_send_buffer(push: zmq.Socket, cfg: ActorConfig, trajectory_nbytes: int) -> None:
+    """With --send-buffer-bytes 0: a kernel send buffer of about --send-hwm-messages messages (ops/zmtp.py), so that
+    no more than that waits for a learner that does not read. Set once the spec is known, before anything is sent:
+    the connection is made again to take it."""
+    opts = cfg.options
+    nbytes = (
+        0
+        if opts.send_buffer_bytes
+        else auto_buffer_bytes(opts.send_hwm_messages, opts.envs_per_actor, trajectory_nbytes)
+    )
+    if nbytes:
+        push.setsockopt(zmq.SNDBUF, nbytes)
+        push.disconnect(cfg.learner)
+        push.connect(cfg.learner)
 
 
 class HandshakeWatch:
@@ -312,10 +183,12 @@ class HandshakeWatch:
     A CurveZMQ server whose ZAP handler refuses a client sends it an ERROR command; libzmq reports it to the client
     as ``ZMQ_EVENT_HANDSHAKE_FAILED_AUTH`` with the ZAP status code (400) as its value. A wrong learner key shows as
     ``ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL`` (the handshake cannot be decrypted); nothing listening shows as no
-    ``ZMQ_EVENT_CONNECTED`` at all. docs/protocol.md (Keys) says the same for actors in other languages."""
+    ``ZMQ_EVENT_CONNECTED`` at all. docs/protocol.md (Keys) says the same for actors in other languages.
+    ``disconnected`` counts the weights connections lost (the learner gone, restarting, or a link down)."""
 
     EVENTS = (
         zmq.EVENT_CONNECTED
+        | zmq.EVENT_DISCONNECTED
         | zmq.EVENT_HANDSHAKE_SUCCEEDED
         | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -325,7 +198,7 @@ class HandshakeWatch:
     def __init__(self, sock: zmq.Socket, address: str):
         self.address = address
         self.monitor = sock.get_monitor_socket(self.EVENTS)
-        self.connected = self.refused = self.failed = self.succeeded = 0
+        self.connected = self.refused = self.failed = self.succeeded = self.disconnected = 0
 
     def poll(self) -> None:
         from zmq.utils.monitor import parse_monitor_message
@@ -338,6 +211,8 @@ class HandshakeWatch:
             kind = event["event"]
             if kind == zmq.EVENT_CONNECTED:
                 self.connected += 1
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.disconnected += 1
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.succeeded += 1
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -374,15 +249,3 @@ class HandshakeWatch:
         except zmq.ZMQError:
             pass
         self.monitor.close(0)
-
-
-def _send(push: zmq.Socket, msg: bytes, stop: _Stop, beat: Heartbeat) -> bool:
-    """Send, waiting (interruptibly) while the learner's queues are full or it is away. False if stopped first."""
-    while not stop.requested:
-        beat()
-        try:
-            push.send(msg, zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            push.poll(100, zmq.POLLOUT)
-    return False

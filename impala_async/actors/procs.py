@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..ops import exitcodes
+
 log = logging.getLogger("impala_async.actors.procs")
 
 STARTUP_GRACE_S = 30.0  # the first beat (interpreter start, torch import) and the next after GRACE may take this long
@@ -38,6 +40,38 @@ def die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         raise SystemExit(0)
+
+
+class Heartbeat:
+    """Writes a byte to the supervisor's pipe at most every interval_s; called from every loop of the actor, so that
+    silence means the actor is stuck (or stopped), not merely that some helper thread is alive."""
+
+    def __init__(self, fd: int, interval_s: float):
+        self.fd, self.interval_s = fd, interval_s
+        self.next_at = 0.0
+        if fd >= 0:
+            os.set_blocking(fd, False)
+
+    def __call__(self) -> None:
+        if self.fd < 0:
+            return
+        now = time.monotonic()
+        if now >= self.next_at:
+            self.next_at = now + self.interval_s
+            self._write(BEAT)
+
+    def grace(self) -> None:
+        """Tell the supervisor that a long step without beats comes next (building the environments): it then waits
+        up to procs.STARTUP_GRACE_S for the next beat instead of heartbeat_timeout_s."""
+        if self.fd >= 0:
+            self.next_at = 0.0  # the step's end beats at once
+            self._write(GRACE)
+
+    def _write(self, byte: bytes) -> None:
+        try:
+            os.write(self.fd, byte)
+        except (BlockingIOError, BrokenPipeError):
+            pass  # a full pipe means the supervisor is behind; a broken one, that it is gone
 
 
 @dataclass
@@ -175,10 +209,26 @@ class ActorProcesses:
                 self._spawn(c)
 
     def _reaped(self, c: _Child, code: int, now: float) -> None:
+        """An actor exited: restart it with exponential backoff, but at once after RUN_CHANGED (a fresh process
+        builds the restarted learner's run from scratch), and never after USAGE (it cannot act in this run or
+        lacks what it needs: restarting would fail the same way; it said why)."""
         c.exits.append(code)
         c.proc = None
         os.close(c.heartbeat_fd)
         c.heartbeat_fd = None
+        if code == exitcodes.USAGE:
+            log.error(
+                "actor %d exited with code %d (it cannot act in this run; see its error above): giving up",
+                c.index,
+                code,
+            )
+            self.gave_up.append(c.index)
+            c.restart_at = float("inf")
+            return
+        if code == exitcodes.RUN_CHANGED and c.restarts < self.max_restarts:
+            log.warning("actor %d exited with code %d (the learner's run changed): restarting it now", c.index, code)
+            c.restart_at = now
+            return
         if c.restarts >= self.max_restarts:
             log.error("actor %d exited with code %s; restarted %d times already, giving up", c.index, code, c.restarts)
             self.gave_up.append(c.index)

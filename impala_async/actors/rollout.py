@@ -39,9 +39,12 @@ class Policy:
         self.load(first)
 
     def load(self, msg: wire.WeightsMessage) -> None:
+        """Copy ``msg``'s tensors into the network. ValueError, naming the first difference and changing nothing, if
+        they are not exactly this network's parameters (names, shapes, floating point)."""
         state = self.model.state_dict()
-        if state.keys() != msg.tensors.keys():
-            raise ValueError("weights do not match the network of this run")
+        problem = mismatch(state, msg.tensors)
+        if problem:
+            raise ValueError(f"weights do not match the network of this run: {problem}")
         with torch.no_grad():
             for name, t in state.items():
                 t.copy_(torch.from_numpy(msg.tensors[name]).view(t.shape))
@@ -87,6 +90,27 @@ class Policy:
         keep = torch.ones(state[0].shape[0], 1, device=state[0].device)
         keep[ended] = 0.0
         return tuple(x * keep for x in state)
+
+
+def mismatch(state: dict, tensors: dict) -> str:
+    """What keeps ``tensors`` (name -> numpy array, from a weights message) from loading into a network whose
+    ``state_dict`` is ``state``: ``""`` if nothing does. Every name must be there, none more, each with the
+    parameter's shape, as floating point where the parameter is."""
+    missing, unknown = sorted(state.keys() - tensors.keys()), sorted(map(str, tensors.keys() - state.keys()))
+    if missing or unknown:
+        parts = [
+            f"{what} {', '.join(n[:60] for n in names[:3])}{' ...' if len(names) > 3 else ''}"
+            for what, names in (("missing", missing), ("unknown", unknown))
+            if names
+        ]
+        return "; ".join(parts)
+    for name, t in state.items():
+        a = tensors[name]
+        if tuple(a.shape) != tuple(t.shape):
+            return f"{name} has shape {list(a.shape)}, this network's is {list(t.shape)}"
+        if t.is_floating_point() and a.dtype.kind != "f":
+            return f"{name} has dtype {a.dtype}, this network's is {t.dtype}"
+    return ""
 
 
 def unroll(

@@ -68,8 +68,8 @@ class ActorOptions(Section):
     )
     send_buffer_bytes: int = opt(
         0,
-        "ZMQ_SNDBUF of an actor, the kernel's send buffer (0: the system's); small "
-        "buffers with --when-full wait keep policy lag small",
+        "ZMQ_SNDBUF of an actor, the kernel's send buffer (0: auto, about send_hwm_messages messages, or the "
+        "system's autotuned buffer when that would exceed 256 KiB); small buffers keep policy lag small",
         learner_flag="actor_send_buffer_bytes",
     )
     device: str = opt(
@@ -149,3 +149,19 @@ class ActorTarget(Section):
         need(bool(self.learner), "--learner is required: the learner's trajectory address, e.g. tcp://HOST:5555")
         at_least(self, 1, "num_actors")
         at_least(self, 0, "index")
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """One actor process: the learner it attaches to, its options (the same whoever starts it),
+    and its place among its supervisor's actors."""
+
+    learner: str  # PUSH connects here (the learner's --listen)
+    weights: str  # SUB connects here (the learner's --publish)
+    options: ActorOptions = ActorOptions()
+    index: int = 0
+    seed: int = 0
+    curve_keys: str = ""  # directory with actor.key_secret and learner.key: connect with CURVE
+    env_backend: str = ""  # gymnasium or envpool (Atari ids only); "": the learner's run.env_backend
+    parent_pid: int = 0  # exit when this process goes away (local actors)
+    heartbeat_fd: int = -1  # write end of the supervisor's heartbeat pipe (local actors)

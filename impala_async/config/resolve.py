@@ -28,6 +28,18 @@ class Probe:
     trajectory_nbytes: int  # one trajectory in the ring (core/spec.py)
 
 
+AUTO_BUFFER_MIN_BYTES, AUTO_BUFFER_MAX_BYTES = 4096, 256 << 10
+
+
+def auto_buffer_bytes(hwm_messages: int, trajectories_per_message: int, trajectory_nbytes: int) -> int:
+    """A kernel socket buffer (SO_SNDBUF, SO_RCVBUF) of about ``hwm_messages`` messages, so that ZeroMQ's high-water
+    mark, not the kernel's autotuned buffers (megabytes: hundreds of small messages, each an unroll acted with ever
+    older weights), bounds what queues while the learner does not read. 0 (the system's autotuning) for messages so
+    large that a fixed buffer of that size could cost throughput (above AUTO_BUFFER_MAX_BYTES)."""
+    nbytes = hwm_messages * max(1, trajectories_per_message) * trajectory_nbytes
+    return max(AUTO_BUFFER_MIN_BYTES, nbytes) if nbytes <= AUTO_BUFFER_MAX_BYTES else 0
+
+
 def default_publish(listen: str) -> str:
     """The weights address: tcp on the listen port + 1 (a wildcard port stays one), ipc PATH.weights."""
     if listen.startswith("ipc://"):
@@ -57,6 +69,9 @@ def resolve(layered: Layered, *, default_listen: str, probe: Probe, now: float |
         "max_unread_bytes_per_connection": cfg.limits.max_unread_bytes_per_connection
         or (cfg.network.receive_hwm_messages + 2) * cfg.limits.max_message_bytes,
         "num_actors": cfg.actors.num_actors if cfg.actors.num_actors != -1 else max(1, usable_cpus() - 1),
+        # With 0 (auto), as train's actors send: messages of envs_per_actor trajectories (actors/actor.py does the same)
+        "receive_buffer_bytes": cfg.network.receive_buffer_bytes
+        or auto_buffer_bytes(cfg.network.receive_hwm_messages, cfg.actors.envs_per_actor, probe.trajectory_nbytes),
     }
     flat = cfg.flat()
     changed = {k: v for k, v in values.items() if v != flat[k]}

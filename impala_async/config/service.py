@@ -31,9 +31,10 @@ class Network(Section):
     receive_hwm_messages: int = opt(8, "ZMQ_RCVHWM: messages queued per connected actor before it must wait")
     receive_buffer_bytes: int = opt(
         0,
-        "ZMQ_RCVBUF of the trajectory socket, the kernel's receive buffer per "
-        "connection (0: the system's, which grows to megabytes: hundreds of small "
-        "messages, that is policy lag, queue there when training falls behind)",
+        "ZMQ_RCVBUF of the trajectory socket, the kernel's receive buffer per connection (0: auto, about "
+        "receive_hwm_messages messages of envs_per_actor trajectories, or the system's autotuned buffer when that "
+        "would exceed 256 KiB; the system's grows to megabytes: hundreds of small messages, that is data acted "
+        "with ever older weights, queue there when the learner does not read)",
     )
     publish_interval_s: float = opt(0.0, "least time between two weight publications (0: after every update)")
     republish_interval_s: float = opt(5.0, "resend the latest weights this often (actors that join get them at once)")

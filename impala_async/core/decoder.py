@@ -28,6 +28,7 @@ from .wire import (
     CODEC_NONE,
     FINITE_CHUNK,
     PROTOCOL_VERSION,
+    OtherIncarnation,
     Rejected,
     TrajectoryMessage,
     WireLimits,
@@ -42,9 +43,12 @@ class TrajectoryDecoder:
     and memory a message costs are bounded by the layout and the limits (about 3 objects per episode entry plus 60),
     however the bytes are arranged."""
 
-    def __init__(self, spec: TrajectorySpec, limits: WireLimits = WireLimits()):
+    def __init__(self, spec: TrajectorySpec, limits: WireLimits = WireLimits(), incarnation: int | None = None):
+        """``incarnation``: the learner run's; a message of another (keys in the encoder's order: ``incarnation``
+        before ``fields``) raises :class:`OtherIncarnation` before its fields are read against this run's spec."""
         self.spec = spec
         self.limits = limits
+        self.incarnation = incarnation
         self._fields = spec.fields
         self._expected = {f.name.encode(): (f.name, f.wire_dtype.encode(), f.shape) for f in self._fields}
         # decode_into's per-field plan: (name, bytes per trajectory, check, its argument).
@@ -159,12 +163,21 @@ class TrajectoryDecoder:
                 )
             if key in head:
                 raise Rejected("bad_header", f"key {short_repr(key.decode())} twice")
+            if key == b"fields":
+                self._check_incarnation(head)
             try:
                 head[key] = read(r, key)
             except mpack.WrongKind as e:
                 reason = {b"v": "bad_version", b"type": "bad_type", b"fields": "bad_field"}.get(key, "bad_header")
                 raise Rejected(reason, f"{key.decode()!r}: {e}") from None
         return head
+
+    def _check_incarnation(self, head: dict) -> None:
+        """Raise OtherIncarnation if the header read so far names another learner run than this decoder's."""
+        other = head.get(b"incarnation")
+        if self.incarnation is not None and other is not None and other != self.incarnation:
+            n = min(head.get(b"n", 1), self.limits.max_trajectories_per_message)
+            raise OtherIncarnation(other, max(1, n))
 
     @staticmethod
     def _read_uint63(r: mpack.Reader, key: bytes) -> int:

@@ -78,6 +78,15 @@ class Rejected(Exception):
         self.detail = detail
 
 
+class OtherIncarnation(Exception):
+    """A message acted under another learner run's weights (docs/protocol.md, Learner restarts): dropped, not
+    rejected, whatever its fields (they may follow another run's spec). ``trajectories``: how many it says it holds."""
+
+    def __init__(self, incarnation: int, trajectories: int):
+        super().__init__(f"incarnation {incarnation}")
+        self.incarnation, self.trajectories = incarnation, trajectories
+
+
 def short_repr(value, max_chars: int = 48) -> str:
     """``repr`` of a peer's value, escaped and cut to ``max_chars`` (for log lines and rejection details)."""
     text = repr(value if not isinstance(value, bytes | bytearray | memoryview) else bytes(value[:max_chars]))

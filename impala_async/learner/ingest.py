@@ -63,7 +63,7 @@ class Ingest:
         self._policy_version = policy_version
         self.incarnation = incarnation  # this learner run's; messages acted under an earlier run's weights carry theirs
         self.identities = key_names is not None
-        self.decoder = TrajectoryDecoder(spec, wire_limits(limits))
+        self.decoder = TrajectoryDecoder(spec, wire_limits(limits), incarnation)
         self.steps_per_trajectory = spec.unroll_length
         n = limits.max_trajectories_per_message
         self._scratch = {f.name: np.empty((n, *f.shape), f.dtype) for f in spec.fields}
@@ -138,6 +138,10 @@ class Ingest:
         self.bytes_received += len(buf)
         try:
             msg = self.decoder.parse(buf)
+        except wire.OtherIncarnation as e:  # acted with an earlier learner run's weights (maybe another spec)
+            self.dropped_incarnation += e.trajectories
+            self.stage_s["parse"] += time.perf_counter() - t0
+            return
         except wire.Rejected as e:
             self.reject(e)
             self.stage_s["parse"] += time.perf_counter() - t0

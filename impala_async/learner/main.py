@@ -231,6 +231,7 @@ def run_info(cfg: LearnerConfig, spec, learner, env_backend: str) -> dict:
         "obs_codec": cfg.env.obs_codec,
         "jpeg_quality": cfg.env.jpeg_quality,
         "env_backend": env_backend,
+        "flow_control": cfg.ring.flow_control,
     }
 
 
