@@ -157,3 +157,17 @@ def test_no_import_circle_anywhere_in_the_package():
 def test_the_circle_finder_finds_circles():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+MAX_FUNCTION_LINES = 60  # pyproject.toml states it beside ruff's complexity limit (max-complexity 12)
+
+
+def test_no_function_of_the_package_is_longer_than_the_limit():
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long
