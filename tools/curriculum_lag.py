@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""How far behind the learner's count the environments play, in episodes: the curriculum test's two CLI phases
+(tests/test_curriculum.py, test_cli_environments_follow_the_schedule_across_a_resume), then, for every metrics record
+past the start, episodes - 50 - the episode count at which the schedule gives the difficulty the last 100 episodes
+played (DifficultyProbe's reward is its episode's difficulty). Prints (worst lag in episodes, worst policy lag in
+versions) per run. Data in flight between the encoding of a difficulty and the counting of the episodes played with
+it is what this measures: socket buffers, queues, unrolls under way.
+
+    python tools/curriculum_lag.py --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+N_EPISODES, WINDOW = 20_000, 100
+FLAGS = [
+    "--env",
+    "impala_async.actors.envs:DifficultyProbe-v0",
+    "--num-actors",
+    "1",
+    "--envs-per-actor",
+    "4",
+    "--unroll-length",
+    "5",
+    "--batch-size",
+    "4",
+    "--report-interval-s",
+    "0.1",
+    "--curriculum",
+    "linear",
+    "--curriculum-start",
+    "0.5",
+    "--curriculum-end",
+    "2.0",
+    "--curriculum-episodes",
+    str(N_EPISODES),
+]
+
+
+def episodes_at(difficulty: float) -> float:
+    return (difficulty - 0.5) / 1.5 * N_EPISODES
+
+
+def one_run() -> tuple[int, int]:
+    logdir = Path(tempfile.mkdtemp(prefix="curriculum-lag-")) / "run"
+    for args, budget in [([*FLAGS, "--logdir", str(logdir)], 3000), (["--resume", str(logdir)], N_EPISODES + 2100)]:
+        subprocess.run(
+            [sys.executable, "-m", "impala_async", "train", *args, "--total-env-steps", str(budget)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=300,
+            check=True,
+        )
+    worst, lag = 0.0, 0
+    for line in (logdir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        seen = r["episode_return_mean"]
+        if seen is None or r["episodes"] < 2100 or seen >= 2.0:
+            continue
+        worst = max(worst, r["episodes"] - WINDOW / 2 - episodes_at(seen))
+        lag = max(lag, r["policy_lag_max"] or 0)
+    return round(worst), lag
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=5)
+    args = p.parse_args()
+    for i in range(args.runs):
+        worst, lag = one_run()
+        print(json.dumps({"run": i, "worst_lag_episodes": worst, "worst_policy_lag_versions": lag}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
