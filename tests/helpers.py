@@ -51,3 +51,30 @@ def assert_values_allowed(spec: TrajectorySpec, dest: dict[str, np.ndarray]) -> 
             assert ((a >= 0) & (a < spec.num_actions)).all(), f.name
         elif f.check == CHECK_FLAG:
             assert np.isin(a, (0, 1)).all(), f.name
+
+
+# The curriculum test's run (tests/test_curriculum.py; tools/curriculum_lag.py measures the same run): one actor of 4
+# one-step environments whose reward is the difficulty, a linear ramp over CURRICULUM_EPISODES episodes.
+CURRICULUM_EPISODES = 20_000
+CURRICULUM_FLAGS = (
+    "--env",
+    "impala_async.actors.envs:DifficultyProbe-v0",
+    "--num-actors",
+    "1",
+    "--envs-per-actor",
+    "4",
+    "--unroll-length",
+    "5",
+    "--batch-size",
+    "4",
+    "--report-interval-s",
+    "0.1",
+    "--curriculum",
+    "linear",
+    "--curriculum-start",
+    "0.5",
+    "--curriculum-end",
+    "2.0",
+    "--curriculum-episodes",
+    str(CURRICULUM_EPISODES),
+)

@@ -7,6 +7,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from helpers import CURRICULUM_EPISODES, CURRICULUM_FLAGS
 from procutil import cli, read_metrics, stop, tail
 
 from impala_async.actors.envs import make_env, set_difficulty
@@ -68,7 +69,7 @@ def test_the_hook_applies_at_the_next_reset():
     assert set_difficulty(cartpole, 2.0) == 2.0  # an environment without the hook ignores it
 
 
-N_EPISODES = 20_000  # the ramp, in episodes
+N_EPISODES = CURRICULUM_EPISODES  # the ramp, in episodes
 LAG = 2_000  # episodes (see the test's docstring)
 WINDOW = 100  # episode_return_mean: the last 100 episodes
 
@@ -97,28 +98,7 @@ def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
     steps) and resumes from its checkpoint: the episode count, and with it the schedule, continues.
     """
     logdir = tmp_path / "run"
-    flags = [
-        "--env",
-        "impala_async.actors.envs:DifficultyProbe-v0",
-        "--num-actors",
-        "1",
-        "--envs-per-actor",
-        "4",
-        "--unroll-length",
-        "5",
-        "--batch-size",
-        "4",
-        "--report-interval-s",
-        "0.1",
-        "--curriculum",
-        "linear",
-        "--curriculum-start",
-        "0.5",
-        "--curriculum-end",
-        "2.0",
-        "--curriculum-episodes",
-        str(N_EPISODES),
-    ]
+    flags = list(CURRICULUM_FLAGS)
     for i, (args, budget) in enumerate(
         [(flags + ["--logdir", str(logdir)], 3_000), (["--resume", str(logdir)], N_EPISODES + WINDOW + LAG)]
     ):

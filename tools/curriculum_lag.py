@@ -18,29 +18,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-N_EPISODES, WINDOW = 20_000, 100
-FLAGS = [
-    "--env",
-    "impala_async.actors.envs:DifficultyProbe-v0",
-    "--num-actors",
-    "1",
-    "--envs-per-actor",
-    "4",
-    "--unroll-length",
-    "5",
-    "--batch-size",
-    "4",
-    "--report-interval-s",
-    "0.1",
-    "--curriculum",
-    "linear",
-    "--curriculum-start",
-    "0.5",
-    "--curriculum-end",
-    "2.0",
-    "--curriculum-episodes",
-    str(N_EPISODES),
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers import CURRICULUM_EPISODES as N_EPISODES  # noqa: E402  (the test's run, exactly)
+from helpers import CURRICULUM_FLAGS as FLAGS  # noqa: E402
+
+WINDOW = 100  # episode_return_mean: the last 100 episodes
 
 
 def episodes_at(difficulty: float) -> float:
