@@ -287,11 +287,13 @@ def _verdict(field, a: np.ndarray, num_actions: int) -> str | None:
     return None
 
 
-def _cross_verdict(values: dict[str, np.ndarray]) -> str | None:
+def _cross_verdict(values: dict[str, np.ndarray], records: int = 0) -> str | None:
     """The rules between fields (docs/protocol.md): not terminated and truncated at once; a truncation value only
-    where the step was truncated."""
+    where the step was truncated; no more episode records than the steps end episodes."""
     term, trunc = values["terminated"], values["truncated"]
     if (term & trunc).any() or (values["truncation_value"][trunc == 0] != 0).any():
+        return "inconsistent"
+    if records > int(term.sum()) + int(trunc.sum()):
         return "inconsistent"
     return None
 
@@ -320,7 +322,8 @@ def test_payload_mutations_against_an_oracle(case):
             {
                 name: np.frombuffer(plan[name][1], spec.field_map[name].dtype)
                 for name in ("terminated", "truncated", "truncation_value")
-            }
+            },
+            len(msg.episodes),
         )
     try:
         decoder.decode_into(msg, dest)

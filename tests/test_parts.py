@@ -82,7 +82,23 @@ def data_path(*, batch_size=4, ring_batches=3, when_full="drop_oldest", max_poli
     return SimpleNamespace(cfg=cfg, ring=ring, ingest=ingest, pacer=pacer, version=version)
 
 
+def with_ends(arrays: dict, records: int) -> dict:
+    """``arrays`` with at least ``records`` episode ends (terminated set where a step ends none, in order), as a real
+    actor's message has one per episode record it carries."""
+    term, trunc = arrays["terminated"], arrays["truncated"]
+    missing = records - int(term.sum() + trunc.sum())
+    for i, j in np.argwhere((term == 0) & (trunc == 0))[: max(0, missing)]:
+        term[i, j] = 1
+    return arrays
+
+
+def ends(arrays: dict) -> int:
+    """The episodes the steps of ``arrays`` end: what the learner counts (not the records a message claims)."""
+    return int(arrays["terminated"].sum() + arrays["truncated"].sum())
+
+
 def encode(arrays, *, actor="a", seq=0, version=10, incarnation=INCARNATION, episodes=(), sent_at_ns=None) -> bytes:
+    with_ends(arrays, len(episodes))
     return wire.encode_trajectories(
         SPEC,
         actor_id=actor,
@@ -159,7 +175,7 @@ def test_accepted_messages_land_in_the_ring_byte_for_byte_and_count():
     got = p.ingest.counters()
     assert got["trajectories_received"] == 8
     assert got["env_steps"] == 8 * 5  # unroll_length 5
-    assert got["episodes"] == 3
+    assert got["episodes"] == ends(a) + ends(b) + ends(c)  # measured in the steps, not the records claimed
     assert got["episode_return_mean"] == pytest.approx((1.5 + 2.5 - 1.0) / 3)
     assert got["episode_length_mean"] == pytest.approx((10 + 20 + 3) / 3)
     assert got["messages_received"] == 3
@@ -235,14 +251,14 @@ def test_a_message_is_rejected_whole(reason, n):
         and got["env_steps"] == 10
         and got["decoded_bytes"] == 2 * trajectory_nbytes(first)
     )
-    assert got["episodes"] == 1 and got["episode_return_mean"] == 1.0
+    assert got["episodes"] == ends(first) and got["episode_return_mean"] == 1.0
     assert got["trajectories_by_key"] == {UNAUTHENTICATED: 2}
     assert p.pacer.calls == [("a", 2)]
 
     p.ingest.handle(encode(good, seq=1, episodes=[(99.0, 5)]))  # the same seq, good data
     got = p.ingest.counters()
     assert got["rejected_replay"] == 0 and got["messages_rejected"] == 1
-    assert got["trajectories_received"] == 2 + n and got["episodes"] == 2
+    assert got["trajectories_received"] == 2 + n and got["episodes"] == ends(first) + ends(good)
     assert p.pacer.calls == [("a", 2), ("a", n)]
     assert_batch_holds(p.ring.get(0.0), rows(concat(first, good), 0, 4))
 
@@ -306,14 +322,15 @@ def test_stale_messages_are_dropped_and_future_ones_rejected():
 
 
 def test_another_incarnation_is_dropped_not_rejected():
-    """Trajectories acted under another learner run's weights are dropped (``dropped_incarnation``, by
-    trajectories), never rejected, whatever else their header says (a version from the future is normal for an actor
-    of the previous run); nothing reaches the ring or the pacer. Guards against counting a restart as an attack."""
+    """Messages acted under another learner run's weights are dropped (``dropped_incarnation``, by messages: what
+    was received, not the trajectories they claim), never rejected, whatever else their header says (a version from
+    the future is normal for an actor of the previous run); nothing reaches the ring or the pacer. Guards against
+    counting a restart as an attack."""
     p = data_path()
     p.ingest.handle(encode(random_arrays(SPEC, 3, seed=1), incarnation=INCARNATION + 1, version=500))
     p.ingest.handle(encode(random_arrays(SPEC, 2, seed=1), incarnation=INCARNATION - 1, version=10))
     got = p.ingest.counters()
-    assert got["dropped_incarnation"] == 5
+    assert got["dropped_incarnation"] == 2
     assert got["messages_rejected"] == 0 and got["trajectories_rejected"] == 0 and got["trajectories_received"] == 0
     assert got["messages_received"] == 2
     assert ring_state(p.ring) == (4, 0, 0) and p.pacer.calls == []
@@ -337,7 +354,7 @@ def test_another_runs_message_of_another_spec_is_dropped_not_rejected():
     )
     p.ingest.handle(data)
     got = p.ingest.counters()
-    assert got["dropped_incarnation"] == 3 and got["messages_rejected"] == 0 and got["rejected_bad_field"] == 0
+    assert got["dropped_incarnation"] == 1 and got["messages_rejected"] == 0 and got["rejected_bad_field"] == 0
     with pytest.raises(wire.Rejected, match="bad_size|bad_field"):  # this run's own message of that shape: rejected
         p.ingest.decoder.parse(
             wire.encode_trajectories(
@@ -719,7 +736,8 @@ def test_a_learner_that_stopped_consuming_slows_the_pace_and_senders_are_bounded
 # ---------------------------------------------------------------------------------------------------- counters
 def test_figures_merge_parts_and_derive_drops():
     """figures() merges every part's counters, sums the ring's and ingest's stale drops into dropped_stale (the two
-    source names gone) and adds full, stale and incarnation drops into trajectories_dropped; two parts counting the
+    source names gone) and adds full and stale drops into trajectories_dropped (incarnation drops are messages, apart);
+    two parts counting the
     same key are refused. Guards against a drop counted twice or not at all, and against one part's figure silently
     overwriting another's."""
     ring = {"dropped_full": 8, "ring_dropped_stale": 4, "ring_bytes": 100}
@@ -731,7 +749,7 @@ def test_figures_merge_parts_and_derive_drops():
         "dropped_incarnation": 2,
         "env_steps": 50,
         "dropped_stale": 7,
-        "trajectories_dropped": 8 + 7 + 2,
+        "trajectories_dropped": 8 + 7,
     }
     with pytest.raises(RuntimeError, match="env_steps"):
         counters.figures([lambda: ring, lambda: ingest, lambda: {"env_steps": 1}])

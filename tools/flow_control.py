@@ -81,7 +81,7 @@ def run(env: str, flags: list[str], seconds: float, warmup_s: float) -> dict:
 
     # Stale and earlier-incarnation drops may happen before a trajectory is accepted (then it is not in
     # trajectories_received); ring-full drops always after. Counting stale drops in both is at worst a small excess.
-    delivered = delta("trajectories_received") + delta("dropped_stale") + delta("dropped_incarnation")
+    delivered = delta("trajectories_received") + delta("dropped_stale")
     dropped = delta("trajectories_dropped")
     lags = [r["policy_lag_avg"] for r in steady if r.get("policy_lag_avg") is not None]
     lag_max = [r["policy_lag_max"] for r in steady if r.get("policy_lag_max") is not None]

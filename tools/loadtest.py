@@ -386,6 +386,7 @@ def measure(a: argparse.Namespace) -> dict:
             "100000",
             "--learner-ranks",
             str(a.learner_ranks),
+            *(["--obs-codec", "jpeg"] if a.codec == "jpeg" else []),  # a learner decodes JPEG only when it asks for it
             *a.learner_flag,
         ]
         learner = subprocess.Popen(

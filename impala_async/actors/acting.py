@@ -102,9 +102,13 @@ class Acting:
             except ValueError as e:
                 log.error("actor %d: %s", self.cfg.index, e)
                 return exitcodes.USAGE
-        episodes = r.envs.pop_episodes()
+        ended = r.envs.pop_episodes_by_env()
         for lo in range(0, K, r.per_message):
-            part = r.buf if r.per_message >= K else {name: a[lo : lo + r.per_message] for name, a in r.buf.items()}
+            hi = lo + r.per_message
+            part = r.buf if r.per_message >= K else {name: a[lo:hi] for name, a in r.buf.items()}
+            # Each episode goes with the part holding its environment's steps: a message carries no more episode
+            # records than its steps end episodes (the learner checks it; docs/protocol.md).
+            episodes = [episode for k, episode in ended if lo <= k < hi]
             msg = wire.encode_trajectories(
                 r.spec,
                 actor_id=self.actor_id,
@@ -122,7 +126,6 @@ class Acting:
                 break
             self.seq += 1
             self.unheard += 1
-            episodes = []
         return None
 
     def send(self, msg: bytes) -> bool:

@@ -49,15 +49,22 @@ class VecEnv:
         self.obs = np.zeros((num_envs, *self.single_observation_space.shape), self.obs_dtype)
         self.ep_return, self.ep_length = np.zeros(num_envs), np.zeros(num_envs, np.int64)
         self.episodes: list[tuple[float, int]] = []
+        self.episode_envs: list[int] = []  # the environment each of ``episodes`` ended in
         self.difficulty: float | None = None  # the curriculum's value; an environment takes a new one at its reset
 
     def pop_episodes(self) -> list[tuple[float, int]]:
         """The ``(return, length)`` of the episodes finished since the last call."""
-        done, self.episodes = self.episodes, []
+        return [episode for _, episode in self.pop_episodes_by_env()]
+
+    def pop_episodes_by_env(self) -> list[tuple[int, tuple[float, int]]]:
+        """``(environment index, (return, length))`` of the episodes finished since the last call."""
+        done = list(zip(self.episode_envs, self.episodes, strict=True))
+        self.episodes, self.episode_envs = [], []
         return done
 
     def _ended(self, k: int) -> None:
         self.episodes.append((float(self.ep_return[k]), int(self.ep_length[k])))
+        self.episode_envs.append(k)
         self.ep_return[k], self.ep_length[k] = 0.0, 0
 
     def set_difficulty(self, value: float | None) -> None:

@@ -43,12 +43,21 @@ class TrajectoryDecoder:
     and memory a message costs are bounded by the layout and the limits (about 3 objects per episode entry plus 60),
     however the bytes are arranged."""
 
-    def __init__(self, spec: TrajectorySpec, limits: WireLimits = WireLimits(), incarnation: int | None = None):
+    def __init__(
+        self,
+        spec: TrajectorySpec,
+        limits: WireLimits = WireLimits(),
+        incarnation: int | None = None,
+        accept_jpeg: bool = True,
+    ):
         """``incarnation``: the learner run's; a message of another (keys in the encoder's order: ``incarnation``
-        before ``fields``) raises :class:`OtherIncarnation` before its fields are read against this run's spec."""
+        before ``fields``) raises :class:`OtherIncarnation` before its fields are read against this run's spec.
+        ``accept_jpeg``: JPEG images are decoded (a learner asks for them with --obs-codec jpeg; otherwise its
+        decoder refuses them, so a peer cannot make it spend 6x LZ4's decode time at will)."""
         self.spec = spec
         self.limits = limits
         self.incarnation = incarnation
+        self.accept_jpeg = accept_jpeg
         self._fields = spec.fields
         self._expected = {f.name.encode(): (f.name, f.wire_dtype.encode(), f.shape) for f in self._fields}
         # decode_into's per-field plan: (name, bytes per trajectory, check, its argument).
@@ -135,6 +144,12 @@ class TrajectoryDecoder:
                 if len(data) != nbytes:
                     raise Rejected("bad_size", f"field {name!r}: {len(data)} bytes, spec says {nbytes}")
             elif codec == CODEC_JPEG:
+                if not self.accept_jpeg:
+                    raise Rejected(
+                        "bad_field",
+                        f"field {name!r}: JPEG images only to a learner run with --obs-codec "
+                        "jpeg; this one asked for lz4 (run.obs_codec)",
+                    )
                 fields[name] = (codec, _jpeg(name, codecs.split_field, self._images[name], data, n))
             elif len(data) < 5 or int.from_bytes(data[:4], "little") != nbytes:
                 claimed = int.from_bytes(data[:4], "little") if len(data) >= 4 else None
@@ -285,10 +300,11 @@ class TrajectoryDecoder:
             raise Rejected("bad_field", f"field {name!r}: codec {short_repr(entry[b'codec'])} not in {ALL_CODECS}")
         return name, codec, entry[b"data"]
 
-    def decode_into(self, msg: TrajectoryMessage, dest: dict[str, np.ndarray]) -> None:
+    def decode_into(self, msg: TrajectoryMessage, dest: dict[str, np.ndarray]) -> int:
         """Decode all ``n`` trajectories of ``msg`` into ``dest[name]``: C-contiguous arrays of the field's dtype
-        holding exactly ``n`` trajectories (``[n, *field.shape]`` or flat). Then check the values. On
-        :class:`Rejected` the destination holds garbage and must not be used."""
+        holding exactly ``n`` trajectories (``[n, *field.shape]`` or flat). Then check the values. Returns the number
+        of episode ends in its steps (terminated or truncated), which bounds its episode records: an episode ends at
+        a step. On :class:`Rejected` the destination holds garbage and must not be used."""
         for name, _, check, aux in self._plan:
             codec, data = msg.fields[name]
             out = dest[name]
@@ -300,7 +316,10 @@ class TrajectoryDecoder:
                 out.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
             if check:
                 _check_values(name, check, aux, out)
-        _check_cuts(dest)
+        ends = _check_cuts(dest)
+        if len(msg.episodes) > ends:
+            raise Rejected("inconsistent", f"{len(msg.episodes)} episode records, but its steps end {ends} episodes")
+        return ends
 
 
 def _read_entry(r: mpack.Reader, name: str) -> dict:
@@ -350,19 +369,20 @@ def _check_values(name: str, check: int, aux, out: np.ndarray) -> None:
             raise Rejected("bad_flag", f"field {name!r} holds values other than 0 and 1")
 
 
-def _check_cuts(dest: dict[str, np.ndarray]) -> None:
-    """Rules between fields (flags are 0 or 1 by now). Most messages cut no episode: that case is one byte search and
-    one count."""
-    truncated, values = dest["truncated"], dest["truncation_value"]
+def _check_cuts(dest: dict[str, np.ndarray]) -> int:
+    """Rules between fields (flags are 0 or 1 by now); returns the episodes the steps end (terminated plus
+    truncated: never both at a step). Most messages cut no episode: that case is one byte search and two counts."""
+    truncated, values, terminated = dest["truncated"], dest["truncation_value"], dest["terminated"]
     if b"\x01" not in truncated.tobytes():
         if _COUNT_NONZERO(values):
             raise Rejected("inconsistent", "truncation_value is non-zero at a step that was not truncated")
-        return
+        return int(_COUNT_NONZERO(terminated))
     cut = truncated.view(bool)
-    if (dest["terminated"].view(bool) & cut).any():
+    if (terminated.view(bool) & cut).any():
         raise Rejected("inconsistent", "terminated and truncated both 1 at a step (a terminal state is not cut)")
     if _COUNT_NONZERO(values) != _COUNT_NONZERO(values.reshape(cut.shape)[cut]):
         raise Rejected("inconsistent", "truncation_value is non-zero at a step that was not truncated")
+    return int(_COUNT_NONZERO(terminated) + _COUNT_NONZERO(cut))
 
 
 def _jpeg(name: str, fn, *args):

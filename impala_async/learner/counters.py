@@ -51,7 +51,7 @@ def figures(sources: Iterable[Callable[[], dict]]) -> dict:
             raise RuntimeError(f"two parts count {sorted(overlap)}")
         out.update(got)
     out["dropped_stale"] = out.pop("ring_dropped_stale", 0) + out.pop("ingest_dropped_stale", 0)
-    out["trajectories_dropped"] = out["dropped_full"] + out["dropped_stale"] + out["dropped_incarnation"]
+    out["trajectories_dropped"] = out["dropped_full"] + out["dropped_stale"]  # dropped_incarnation: in messages
     return out
 
 

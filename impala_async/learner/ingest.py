@@ -54,6 +54,7 @@ class Ingest:
         key_names: list[str] | None = None,
         pacer=None,
         resumed: dict | None = None,
+        accept_jpeg: bool = False,
     ):
         """``policy_version()``: the learner's version (messages from the future are rejected, from the far past
         dropped). ``key_names``: the names of the allowed CURVE keys (CURVE on: replay state is namespaced by the
@@ -63,7 +64,7 @@ class Ingest:
         self._policy_version = policy_version
         self.incarnation = incarnation  # this learner run's; messages acted under an earlier run's weights carry theirs
         self.identities = key_names is not None
-        self.decoder = TrajectoryDecoder(spec, wire_limits(limits), incarnation)
+        self.decoder = TrajectoryDecoder(spec, wire_limits(limits), incarnation, accept_jpeg=accept_jpeg)
         self.steps_per_trajectory = spec.unroll_length
         n = limits.max_trajectories_per_message
         self._scratch = {f.name: np.empty((n, *f.shape), f.dtype) for f in spec.fields}
@@ -130,41 +131,62 @@ class Ingest:
         return sum(a.nbytes for a in self._scratch.values())
 
     # ------------------------------------------------------------------------------------------------- messages
-    def handle(self, buf, user_id: str | None = None) -> None:
-        """One received message. Never raises for anything the peer sent. Nothing of a message counts (its sequence
-        number, its episodes, its trajectories) until all of it has been checked and accepted."""
+    def handle(self, buf, user_id: str | None = None, source: int | None = None) -> None:
+        """One received message (``user_id``: its CURVE key's name; ``source``: the descriptor of the connection it
+        came on, if known). Never raises for anything the peer sent. Nothing of a message counts (its sequence
+        number, its episodes, its trajectories) until all of it has been checked and accepted. Called only while no
+        message is pending (the receive loop continues a pending one first)."""
         t0 = time.perf_counter()
         self.messages_received += 1
         self.bytes_received += len(buf)
+        msg = self._parse(buf, user_id)
+        self.stage_s["parse"] += time.perf_counter() - t0
+        if msg is None:
+            return
+        if self._policy_version() - msg.policy_version > self.max_policy_lag:
+            self._drop_stale(msg)
+            return
+        self._decode(msg, user_id, source, time.time_ns())
+
+    def _parse(self, buf, user_id: str | None) -> wire.TrajectoryMessage | None:
+        """The message, header checked; None if it was rejected or dropped (counted)."""
         try:
             msg = self.decoder.parse(buf)
-        except wire.OtherIncarnation as e:  # acted with an earlier learner run's weights (maybe another spec)
-            self.dropped_incarnation += e.trajectories
-            self.stage_s["parse"] += time.perf_counter() - t0
-            return
+        except wire.OtherIncarnation:  # acted with an earlier learner run's weights (maybe another spec)
+            self.dropped_incarnation += 1
+            return None
         except wire.Rejected as e:
             self.reject(e)
-            self.stage_s["parse"] += time.perf_counter() - t0
-            return
+            return None
         except Exception as e:  # a decoder bug must not let a peer stop the server: reject, and say so loudly
             log.exception("decoder bug on a received message; rejecting it as malformed")
             self.reject(wire.Rejected("malformed", f"unexpected {type(e).__name__}: {e}"))
-            return
-        if msg.incarnation != self.incarnation:  # acted with an earlier learner run's weights: not an error
-            self.dropped_incarnation += msg.n
-            self.stage_s["parse"] += time.perf_counter() - t0
-            return
+            return None
+        if msg.incarnation != self.incarnation:  # its keys in another order than the encoder's: the same drop
+            self.dropped_incarnation += 1
+            return None
         try:
             self._check_header(msg, user_id)
         except wire.Rejected as e:
             self.reject(e, msg.n)
-            self.stage_s["parse"] += time.perf_counter() - t0
-            return
-        self.stage_s["parse"] += time.perf_counter() - t0
-        if self._policy_version() - msg.policy_version > self.max_policy_lag:
-            self.dropped_stale += msg.n
-            return
-        self._decode(msg, user_id, time.time_ns())
+            return None
+        return msg
+
+    def _drop_stale(self, msg: wire.TrajectoryMessage) -> None:
+        """Acted with weights more than max_policy_lag versions old: dropped, and counted in trajectories only once
+        decoded (into the scratch area, free while nothing is pending): a peer cannot inflate the count with claims."""
+        t0 = time.perf_counter()
+        n = msg.n
+        try:
+            self.decoder.decode_into(msg, {name: a[:n] for name, a in self._scratch.items()})
+        except wire.Rejected as e:
+            self.reject(e, n)
+        except Exception as e:  # as in _parse(): never let a peer's bytes stop the server
+            log.exception("decoder bug on a received message; rejecting it as malformed")
+            self.reject(wire.Rejected("malformed", f"unexpected {type(e).__name__}: {e}"), n)
+        else:
+            self.dropped_stale += n
+        self.stage_s["decode"] += time.perf_counter() - t0
 
     def _actor_key(self, msg: wire.TrajectoryMessage, user_id: str | None) -> str:
         """Replay state is per (key name, actor id) under CURVE: one client cannot touch another's sequence."""
@@ -180,20 +202,20 @@ class Ingest:
         if last is not None and msg.seq <= last:
             raise wire.Rejected("replay", f"actor {msg.actor_id!r} seq {msg.seq} <= {last}")
 
-    def _decode(self, msg: wire.TrajectoryMessage, user_id: str | None, arrival_ns: int) -> None:
+    def _decode(self, msg: wire.TrajectoryMessage, user_id: str | None, source: int | None, arrival_ns: int) -> None:
         t0 = time.perf_counter()
         n, ring = msg.n, self.ring
         direct = ring.room() >= n
         dest = ring.rows(n) if direct else {name: a[:n] for name, a in self._scratch.items()}
         try:
-            self.decoder.decode_into(msg, dest)
+            ends = self.decoder.decode_into(msg, dest)
         except wire.Rejected as e:
             self.reject(e, n)
-        except Exception as e:  # as in handle(): never let a peer's bytes stop the server
+        except Exception as e:  # as in _parse(): never let a peer's bytes stop the server
             log.exception("decoder bug on a received message; rejecting it as malformed")
             self.reject(wire.Rejected("malformed", f"unexpected {type(e).__name__}: {e}"), n)
         else:
-            self._message_accepted(msg, user_id)
+            self._message_accepted(msg, user_id, source, ends)
             if direct:
                 ring.commit(n, msg.policy_version, arrival_ns)
                 self._accepted(msg, n)
@@ -202,8 +224,12 @@ class Ingest:
         self.stage_s["decode"] += time.perf_counter() - t0
         self.continue_pending()
 
-    def _message_accepted(self, msg: wire.TrajectoryMessage, user_id: str | None) -> None:
-        """The whole message passed every check: now its sequence number and episodes count."""
+    def _message_accepted(
+        self, msg: wire.TrajectoryMessage, user_id: str | None, source: int | None, ends: int
+    ) -> None:
+        """The whole message passed every check: now its sequence number and episodes count. ``ends``: the episodes
+        its steps ended (terminated or truncated flags, measured; its records are at most as many, the decoder
+        checked): the episode count, and the curriculum that follows it, take the measured figure."""
         key = self._actor_key(msg, user_id)
         self._last_seq[key] = msg.seq
         self._last_seq.move_to_end(key)
@@ -213,9 +239,9 @@ class Ingest:
         for ret, length in msg.episodes:
             self.returns.append(ret)
             self.lengths.append(length)
-        self.episodes += len(msg.episodes)
-        if self.pacer is not None:
-            self.pacer.accepted(key, msg.n)
+        self.episodes += ends
+        if self.pacer is not None:  # a sender is a connection (what the learner sees), not an id a peer declares
+            self.pacer.accepted(f"connection {source}" if source is not None else key, msg.n)
 
     def continue_pending(self) -> bool:
         """Copy what fits of the pending (scratch-decoded) message into the ring. True when nothing is pending."""

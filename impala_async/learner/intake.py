@@ -128,7 +128,7 @@ class Intake:
             if frame.more:
                 self._discard_multipart()
                 continue
-            ingest.handle(frame.buffer, frame.get("User-Id") if self.user_ids else None)
+            ingest.handle(frame.buffer, frame.get("User-Id") if self.user_ids else None, source)
             if ingest.pending is not None or time.monotonic() > deadline:
                 return
 

@@ -62,7 +62,10 @@ class Pacer:
         self._lock = threading.Lock()
         self._senders: collections.OrderedDict[str, float] = collections.OrderedDict()  # actor -> last accepted at
         self._consumed: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic time, trajectories)
-        self._largest = 1  # most trajectories seen in one message
+        # Trajectories of the messages accepted within the window (time, n): the largest recent message, not the
+        # largest ever (one 256-trajectory message must not raise the target for the rest of the run).
+        self._sizes: collections.deque[tuple[float, int]] = collections.deque()
+        self._batch = 1  # trajectories of the last batch consumed
         self.pace_s_per_trajectory = 0.0  # the latest value computed (metrics)
         self.senders = 0
         self.target_now = 0.0  # the target the latest pace was computed for (metrics)
@@ -92,7 +95,7 @@ class Pacer:
         """A message of ``actor`` with ``trajectories`` was accepted (the receive loop)."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            self._largest = max(self._largest, trajectories)
+            self._sizes.append((now, trajectories))
             self._senders[actor] = now
             self._senders.move_to_end(actor)
             if len(self._senders) > self.max_senders:
@@ -108,9 +111,10 @@ class Pacer:
         now = time.monotonic() if now is None else now
         with self._lock:
             self._consumed.append((now, trajectories))
+            self._batch = trajectories
             self._forget(now)
             if self.base_target > 0:
-                ceiling = max(self.base_target, self.capacity - self._largest - trajectories)
+                ceiling = max(self.base_target, self.capacity - self._largest() - trajectories)
                 step = trajectories / 2 if waited_s > STARVED_S else -trajectories / 100
                 self.target = min(ceiling, max(self.base_target, self.target + step))
 
@@ -118,13 +122,19 @@ class Pacer:
         horizon = now - self.window_s
         while self._consumed and self._consumed[0][0] < horizon:
             self._consumed.popleft()
+        while self._sizes and self._sizes[0][0] < horizon:  # the window's messages only: none outlives it
+            self._sizes.popleft()
         # An actor keeping a slow pace sends less often than the window: it still counts for a few of its intervals.
-        horizon = now - max(self.window_s, 4 * self.ranks * self.pace_s_per_trajectory * self._largest)
+        horizon = now - max(self.window_s, 4 * self.ranks * self.pace_s_per_trajectory * self._largest())
         while self._senders:
             actor, at = next(iter(self._senders.items()))
             if at >= horizon:
                 break
             del self._senders[actor]
+
+    def _largest(self) -> int:
+        """Most trajectories in one message accepted within the window (1 before any)."""
+        return max((n for _, n in self._sizes), default=1)
 
     def pace(self, waiting_trajectories: int, now: float | None = None) -> float:
         """Seconds per trajectory each actor should keep between the starts of its unrolls (0: as fast as it can)."""
@@ -143,7 +153,9 @@ class Pacer:
             rate = self.ranks * taken / max(1e-6, now - first_at)  # the whole learner's
             # A message arrives whole: wanting fewer waiting than one message holds would swing the pace between
             # its extremes at every arrival.
-            target = max(self.target, self._largest)
+            # Never more than the ring can hold while a batch is taken: above that the pace would ask for data the
+            # ring must drop.
+            target = min(max(self.target, self._largest()), max(1.0, self.capacity - self._batch))
             self.target_now = target
         factor = min(FACTOR_HI, max(FACTOR_LO, 1.0 + GAIN * (target - waiting_trajectories) / target))
         pace = min(self.max_pace, senders / max(1e-9, rate * factor))

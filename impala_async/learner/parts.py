@@ -96,6 +96,7 @@ class Parts:
             key_names=sorted(keys.allowed.values()) if keys is not None else None,
             pacer=self.pacer,
             resumed=resumed,
+            accept_jpeg=cfg.env.obs_codec == "jpeg",
         )
 
     def sources(self) -> list[Callable[[], dict]]:

@@ -38,6 +38,10 @@ COUNTERS = {
     "messages_received": ("messages_received", "messages read from the trajectory socket"),
     "bytes_received": ("received_bytes", "message bytes read from the trajectory socket"),
     "decoded_bytes": ("decoded_bytes", "decoded trajectory bytes written to the ring"),
+    "dropped_incarnation": (
+        "messages_dropped_incarnation",
+        "messages acted with another learner run's weights, dropped unread",
+    ),
     "latency_implausible": (
         "latency_implausible_messages",
         "accepted messages with a latency outside the plausible range",
@@ -174,7 +178,7 @@ class LearnerCollector:
             "trajectories_dropped",
             "trajectories dropped, by reason",
             "reason",
-            {"full": snap["dropped_full"], "stale": snap["dropped_stale"], "incarnation": snap["dropped_incarnation"]},
+            {"full": snap["dropped_full"], "stale": snap["dropped_stale"]},
         )
         yield _by(
             "rejected_messages",

@@ -52,6 +52,18 @@ log = logging.getLogger("impala_async.learner.server")
 EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_FORCED = exitcodes.ERROR, exitcodes.NO_CHECKPOINT, exitcodes.FORCED
 
 
+class StartupError(Exception):
+    """What keeps the learner from starting (an address in use, a logdir it cannot write), said in one line."""
+
+
+def _bind(part, address: str, flag: str) -> str:
+    """``part.bind(address)``; StartupError naming the address and its flag if it cannot be bound."""
+    try:
+        return part.bind(address)
+    except zmq.ZMQError as e:
+        raise StartupError(f"cannot bind {address} ({flag}): {e.strerror}") from None
+
+
 class LearnerServer:
     def __init__(
         self,
@@ -99,6 +111,9 @@ class LearnerServer:
         self._stop = asyncio.Event()
         try:
             self._startup()
+        except StartupError as e:  # one line (the server's caller prints the reason), not a traceback
+            self.exit_reason, self.exit_code = str(e), EXIT_ERROR
+        else:
             await self._main()
         finally:
             await self._shutdown()
@@ -176,9 +191,11 @@ class LearnerServer:
         p.ring.on_release = p.intake.wake
         p.publisher = WeightsPublisher(p.ctx, cfg.network, cfg.limits, secure)
         self._closes("sockets", lambda: (p.intake.close(), p.publisher.close()))
-        p.listen = p.intake.bind(cfg.network.listen)
+        p.listen = _bind(p.intake, cfg.network.listen, "--listen")
         # Only rank 0 publishes; another rank's publisher is bound where nobody can reach it.
-        p.publish = p.publisher.bind(cfg.network.publish if self.lead else "inproc://unpublished-weights")
+        p.publish = _bind(
+            p.publisher, cfg.network.publish if self.lead else "inproc://unpublished-weights", "--publish"
+        )
         addresses = [p.listen] if self.ranks is None else self.ranks.share_address(p.listen)
         if self.lead:  # every rank's trajectory address, in rank order (docs/protocol.md, Transport)
             self.run_info["trajectory_addresses"] = addresses
@@ -210,9 +227,14 @@ class LearnerServer:
         """Checkpoints, the reports and their sinks, the first weights published."""
         cfg, p = self.cfg, self.parts
         logdir = Path(cfg.run.logdir)
-        if checkpoint.remove_partial(logdir):
-            log.warning("removed a partial checkpoint left by an interrupted write in %s", logdir)
-        p.checkpoints = checkpoint.Checkpoints(logdir, cfg.checkpoints, self.learner, collect=p.checkpoint_state)
+        try:  # it holds the weights (checkpoints, 0600): only this user may list or enter it
+            logdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(logdir, 0o700)
+            if checkpoint.remove_partial(logdir):
+                log.warning("removed a partial checkpoint left by an interrupted write in %s", logdir)
+            p.checkpoints = checkpoint.Checkpoints(logdir, cfg.checkpoints, self.learner, collect=p.checkpoint_state)
+        except OSError as e:
+            raise StartupError(f"cannot use the logdir {logdir} (--logdir): {e.strerror or e}") from None
         self._closes("checkpoint writer", p.checkpoints.close)
         schedule = curriculum.from_config(cfg)
         p.publication = Publication(

@@ -1,0 +1,300 @@
+"""A learner no peer can mislead (issue 15, classes 2, 7 and 8): control figures from what the learner measured, not
+from what peers claim; JPEG only when asked for; startup failures in one line; a private logdir.
+
+A real `impala-async learner` with one real actor trains throughout the module (CartPole, a slow linear curriculum);
+the test process is the attacker, sending valid messages over real sockets (tests/attacks.py). Each test fails on
+the code before these fixes (e6af78d, and the issue-14 main it was measured on).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import msgpack
+import pytest
+import zmq
+from attacks import LearnerView, message
+from helpers import random_arrays
+from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
+
+from impala_async.core import wire
+from impala_async.learner.pacing import Pacer
+
+ORDER = ("v", "type", "actor", "seq", "policy_version", "incarnation", "n", "episodes", "fields")  # core/wire.py's
+CURRICULUM = [
+    "--curriculum",
+    "linear",
+    "--curriculum-episodes",
+    "1000000",
+    "--curriculum-start",
+    "0.5",
+    "--curriculum-end",
+    "2.0",
+]
+
+
+class Learner:
+    def __init__(self, tmp, *extra: str):
+        port = free_port_pair()
+        self.listen, self.weights = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
+        self.logdir, self.log = tmp / "run", tmp / "learner.log"
+        self.proc = cli(
+            "learner",
+            "--env",
+            "CartPole-v1",
+            "--unroll-length",
+            "10",
+            "--batch-size",
+            "4",
+            "--report-interval-s",
+            "0.25",
+            "--total-env-steps",
+            "100000000",
+            "--listen",
+            self.listen,
+            "--logdir",
+            str(self.logdir),
+            *extra,
+            log=self.log,
+        )
+        self.actor = None
+
+    def attach_actor(self) -> None:
+        self.actor = cli("actor", "--learner", self.listen, "--envs-per-actor", "2", log=self.log.with_name("a.log"))
+        self.wait(lambda r: r["learner_steps"] > 0, "the learner to train", 120)
+
+    def rows(self) -> list[dict]:
+        return read_metrics(self.logdir)
+
+    def wait(self, cond, what: str, timeout_s: float = 30.0) -> dict:
+        def check():
+            rows = self.rows()
+            return rows[-1] if rows and cond(rows[-1]) else None
+
+        return wait_for(check, timeout_s, what, self.proc, self.log)
+
+    def close(self) -> None:
+        if self.actor is not None:
+            stop(self.actor)
+        stop(self.proc)
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@pytest.fixture(scope="module")
+def learner(tmp_path_factory, ctx):
+    run = Learner(tmp_path_factory.mktemp("misled"), *CURRICULUM)
+    try:
+        run.attach_actor()
+        run.view = LearnerView(ctx, run.weights).refresh()
+        yield run
+    finally:
+        if hasattr(run, "view"):
+            run.view.close()
+        run.close()
+
+
+def push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDTIMEO, 10_000)
+    s.connect(endpoint)
+    return s
+
+
+# ------------------------------------------------------------------------------------- 2. figures, not claims
+def test_flow_control_counts_connections_not_declared_ids(learner, ctx):
+    """20 valid one-trajectory messages a second from fresh actor ids over one connection: one more sender for the
+    pace, not 20 a second (before: pace_senders rose to ~100 and the honest actor was paced 100 times too slow)."""
+    sock = push(ctx, learner.listen)
+    start = len(learner.rows())
+    try:
+        for i in range(80):
+            learner.view.refresh()
+            sock.send(message(learner.view, actor=f"fresh-{i}", seq=0, seed=i))
+            time.sleep(0.05)  # the attack's rate: 20 messages a second
+        row = learner.wait(lambda r: r["trajectories_received"] > 0, "a report after the attack")
+    finally:
+        sock.close(0)
+    during = learner.rows()[start:]
+    assert max(r["pace_senders"] for r in during) <= 3, [r["pace_senders"] for r in during]
+    assert row["messages_rejected"] == 0  # every message valid: only the way they were counted changed
+
+
+def test_episode_records_need_steps_that_end_episodes(learner, ctx):
+    """A message may claim at most as many episodes as its steps end, and the episode count (the curriculum's clock)
+    is what the accepted steps ended. Before: 250 messages of 4,096 records each moved the difficulty to its end."""
+    before = learner.rows()[-1]
+    sock = push(ctx, learner.listen)
+    try:
+        for i in range(50):
+            learner.view.refresh()
+            sock.send(message(learner.view, actor="claimer", seq=i, seed=i, episodes=[(1.0, 1)] * 4096))
+        row = learner.wait(
+            lambda r: r["rejected_inconsistent"] >= before["rejected_inconsistent"] + 50,
+            "the 50 inflated messages to be rejected",
+        )
+    finally:
+        sock.close(0)
+    assert row["episodes"] - before["episodes"] < 10_000, (before["episodes"], row["episodes"])
+    assert row["difficulty"] < 0.6, row["difficulty"]  # 1,000,000 episodes to the end: it has barely moved
+
+
+def test_drops_count_what_was_received(learner, ctx):
+    """Messages of another learner run are dropped and counted as messages: 200 of them claiming 256 trajectories
+    each add 200 to dropped_incarnation and nothing to trajectories_dropped (before: +51,200 trajectories)."""
+    before = learner.rows()[-1]
+    sock = push(ctx, learner.listen)
+    learner.view.refresh()
+
+    def other_run(raw):
+        """Another incarnation, in the encoder's key order (incarnation before fields), claiming 256 trajectories:
+        its fields hold one, and are never read."""
+        values = dict(raw, incarnation=learner.view.incarnation + 1, n=256)
+        raw.clear()
+        raw.update({k: values[k] for k in (*ORDER, *values) if k in values})
+
+    try:
+        for i in range(200):
+            sock.send(message(learner.view, actor="old-run", seq=i, raw_edit=other_run))
+        row = learner.wait(
+            lambda r: r["dropped_incarnation"] >= before["dropped_incarnation"] + 200,
+            "200 messages of another incarnation dropped",
+        )
+    finally:
+        sock.close(0)
+    assert row["dropped_incarnation"] == before["dropped_incarnation"] + 200
+    assert row["trajectories_dropped"] - before["trajectories_dropped"] < 256, row["trajectories_dropped"]
+    assert row["messages_rejected"] == before["messages_rejected"]
+
+
+def test_one_large_message_does_not_raise_the_pace_target_for_the_run():
+    """The pace's target follows the largest message within its window and never exceeds what the ring holds beside
+    a batch. Before: one 256-trajectory message set a target above the ring's capacity for good (drops 0% -> 51%)."""
+    pacer = Pacer(32, window_s=5.0, max_pace_s_per_trajectory=10.0, capacity_trajectories=128)
+    pacer.accepted("a", 4, now=0.0)
+    pacer.accepted("b", 256, now=0.5)
+    for t in (1.0, 1.5, 2.0):
+        pacer.consumed(16, now=t)
+    pacer.pace(20, now=2.0)
+    assert pacer.target_now <= 128 - 16, pacer.target_now
+    for t in range(3, 12):
+        pacer.accepted("a", 4, now=float(t))
+        pacer.consumed(16, now=float(t))
+    pacer.pace(20, now=11.0)
+    assert pacer.target_now == 32, pacer.target_now  # the large message left the window
+
+
+# --------------------------------------------------------------------------------- 8. JPEG only when asked for
+def test_a_learner_that_asked_for_lz4_refuses_jpeg(tmp_path, ctx):
+    """JPEG costs about 6x LZ4 to decode: a learner decodes it only under --obs-codec jpeg. Before: any peer's JPEG
+    was decoded (10,241 accepted by a learner that asked for LZ4)."""
+    pytest.importorskip("simplejpeg", reason="the jpeg extra")
+    port = free_port_pair()
+    listen, logdir, log = f"tcp://127.0.0.1:{port}", tmp_path / "run", tmp_path / "learner.log"
+    proc = cli(
+        "learner",
+        "--env",
+        "impala_async.actors.envs:PongLike-v0",
+        "--unroll-length",
+        "4",
+        "--listen",
+        listen,
+        "--report-interval-s",
+        "0.25",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
+    view = LearnerView(ctx, f"tcp://127.0.0.1:{port + 1}")
+    sock = push(ctx, listen)
+    try:
+        view.refresh(60)
+        data = wire.encode_trajectories(
+            view.spec,
+            actor_id="jpeg",
+            seq=0,
+            policy_version=view.version,
+            incarnation=view.incarnation,
+            arrays=random_arrays(view.spec, 1),
+            image_codec="jpeg",
+        )
+        assert msgpack.unpackb(data)["fields"][view.spec.fields[0].name]["codec"] == "jpeg"
+        sock.send(data)
+        row = wait_for(
+            lambda: (rows := read_metrics(logdir)) and rows[-1]["messages_received"] >= 1 and rows[-1],
+            30,
+            "the message to be read",
+            proc,
+            log,
+        )
+        assert row["rejected_bad_field"] == 1 and row["trajectories_received"] == 0, row
+    finally:
+        sock.close(0)
+        view.close()
+        stop(proc)
+
+
+# ------------------------------------------------------------------------------------------ 7. files, errors
+def test_a_startup_failure_is_one_line(tmp_path):
+    """The trajectory port taken: exit 1 and one line naming the address and the flag, no traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "impala_async",
+                "learner",
+                "--listen",
+                f"tcp://127.0.0.1:{port}",
+                "--logdir",
+                str(tmp_path / "run"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 1, out.stderr
+    assert f"impala-async: stopped: cannot bind tcp://127.0.0.1:{port} (--listen)" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_logdir_and_the_checkpoints_are_private(tmp_path):
+    logdir, log = tmp_path / "run", tmp_path / "log"
+    logdir.mkdir(mode=0o755)  # made by the user, open to others: the learner closes it
+    proc = cli(
+        "train",
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "2",
+        "--unroll-length",
+        "10",
+        "--batch-size",
+        "4",
+        "--total-env-steps",
+        "2000",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
+    try:
+        assert proc.wait(120) == 0, tail(log)
+    finally:
+        stop(proc)
+    assert stat.S_IMODE(os.stat(logdir).st_mode) == 0o700
+    checkpoints = sorted(logdir.glob("checkpoint-*.pt"))
+    assert checkpoints and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in checkpoints)
