@@ -17,7 +17,7 @@ import zmq
 from ..config import LearnerConfig
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
-from . import checkpoint, counters, prom
+from . import checkpoint, counters, curriculum, prom
 from .histograms import Histogram
 from .ingest import Ingest
 from .intake import Intake
@@ -26,6 +26,7 @@ from .metrics import Reports, UpdateLog
 from .pacing import Pacer
 from .publisher import WeightsPublisher
 from .trainer import Trainer
+from .watch import CollapseWatch
 from .weights import Publication
 
 
@@ -97,6 +98,36 @@ class Parts:
             pacer=self.pacer,
             resumed=resumed,
             accept_jpeg=cfg.env.obs_codec == "jpeg",
+        )
+
+    def create_publication(self, run_info: dict, publish: Callable[[bytes], None]) -> None:
+        """Weights out: encoded from the network with the run, the curriculum's difficulty (from every rank's
+        episodes) and the pace; ``publish(data)`` hands a message to the publisher from any thread."""
+        schedule = curriculum.from_config(self.cfg)
+        self.publication = Publication(
+            self.learner.model,
+            run_info,
+            self.incarnation,
+            version=lambda: self.trainer.policy_version,
+            difficulty=(lambda: schedule.value(self.episodes())) if schedule is not None else lambda: None,
+            pace=lambda: self.pacer.pace(self.ring.waiting_trajectories()),
+            publish=publish,
+            interval_s=self.cfg.network.publish_interval_s,
+        )
+
+    def create_reports(self, logdir, tboard, *, fresh: bool) -> None:
+        """The reports and their sinks (``tboard``: a TensorBoard writer or None); ``fresh``: not a resumed run."""
+        cfg = self.cfg
+        self.reports = Reports(
+            logdir,
+            take=self.snapshot,
+            updates=self.updates,
+            tboard=tboard,
+            watch=CollapseWatch.from_config(cfg, self.spec.num_actions, fresh=fresh),
+            reset_interval=self.reset_interval,
+            wall_s=self.wall_s,
+            batch_size=cfg.loss.batch_size,
+            learner_ranks=cfg.ranks.learner_ranks,
         )
 
     def sources(self) -> list[Callable[[], dict]]:

@@ -38,15 +38,13 @@ from ..config import LearnerConfig
 from ..core import wire
 from ..core.spec import TrajectorySpec
 from ..ops import exitcodes
-from . import checkpoint, curriculum, prom, tasks
+from . import checkpoint, prom, tasks
 from .intake import Intake
 from .learn import Learner
-from .metrics import Reports, Update
+from .metrics import Update
 from .parts import Parts
 from .publisher import WeightsPublisher
 from .tboard import tensorboard_writer
-from .watch import CollapseWatch
-from .weights import Publication
 
 log = logging.getLogger("impala_async.learner.server")
 EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_FORCED = exitcodes.ERROR, exitcodes.NO_CHECKPOINT, exitcodes.FORCED
@@ -236,17 +234,7 @@ class LearnerServer:
         except OSError as e:
             raise StartupError(f"cannot use the logdir {logdir} (--logdir): {e.strerror or e}") from None
         self._closes("checkpoint writer", p.checkpoints.close)
-        schedule = curriculum.from_config(cfg)
-        p.publication = Publication(
-            self.learner.model,
-            self.run_info,
-            self.incarnation,
-            version=lambda: p.trainer.policy_version,
-            difficulty=(lambda: schedule.value(p.episodes())) if schedule is not None else lambda: None,
-            pace=lambda: p.pacer.pace(p.ring.waiting_trajectories()),
-            publish=lambda data: self._loop.call_soon_threadsafe(p.publisher.publish, data),
-            interval_s=cfg.network.publish_interval_s,
-        )
+        p.create_publication(self.run_info, lambda data: self._loop.call_soon_threadsafe(p.publisher.publish, data))
         weights = p.publication.encode()
         if weights is None:
             raise RuntimeError("the initial weights are not finite")
@@ -254,17 +242,7 @@ class LearnerServer:
         tboard = tensorboard_writer(cfg, logdir)
         if tboard is not None:
             self._closes("TensorBoard writer", lambda: tboard.close(min(2.0, cfg.run.shutdown_timeout_s / 4)))
-        p.reports = Reports(
-            logdir,
-            take=p.snapshot,
-            updates=p.updates,
-            tboard=tboard,
-            watch=CollapseWatch.from_config(cfg, self.spec.num_actions, fresh=not self.resumed),
-            reset_interval=p.reset_interval,
-            wall_s=p.wall_s,
-            batch_size=cfg.loss.batch_size,
-            learner_ranks=cfg.ranks.learner_ranks,
-        )
+        p.create_reports(logdir, tboard, fresh=not self.resumed)
         self._closes("reports", p.reports.close)
 
     def _start_training(self) -> None:
