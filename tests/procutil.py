@@ -41,7 +41,7 @@ def documented_metrics() -> set[str]:
     import re
 
     from impala_async.core import wire
-    from impala_async.learner import guard
+    from impala_async.learner import guard, rankwatch
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
     keys = set()
@@ -49,6 +49,8 @@ def documented_metrics() -> set[str]:
         for key in re.findall(r"`([a-z0-9_<>]+)`", cell):
             if key.startswith("rejected_<"):
                 keys |= {f"rejected_{r}" for r in wire.REJECT_REASONS}
+            elif key.startswith("rank_values_rejected_<"):
+                keys |= {f"rank_values_rejected_{r}" for r in rankwatch.REJECT_REASONS}
             elif key.startswith("connections_cut_<"):
                 keys |= {f"connections_cut_{r}" for r in guard.CUT_REASONS}
             else:

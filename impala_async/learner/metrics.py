@@ -23,6 +23,7 @@ from ..core.wire import REJECT_REASONS
 from .counters import Snapshot
 from .guard import CUT_REASONS
 from .histograms import RHO_BIN_EDGES, Totals
+from .rankwatch import REJECTED_RANK_VALUES
 
 watch_log = logging.getLogger("impala_async.learner.watch")  # the collapse warnings are the watch's
 LOSS_FIGURES = (
@@ -140,6 +141,7 @@ def record(
         rec[f"connections_cut_{reason}"] = cur.own[f"cut_trajectories_{reason}"] + cur.own[f"cut_weights_{reason}"]
     rec.update({k: cur.own[k] for k in ACTOR_FIGURES if k in cur.own})
     rec.update({f"rejected_{r}": cur.own[f"rejected_{r}"] for r in REJECT_REASONS})
+    rec.update({k: cur.own.get(k, 0) for k in REJECTED_RANK_VALUES})  # 0 with one rank
     rec.update(_losses(stats))
     rec["learner_ranks"] = learner_ranks
     rec["ranks"] = cur.per_rank

@@ -143,7 +143,8 @@ class Parts:
             self.publisher.counters,
             self._server_counters,
         ]
-        return own + [x.counters for x in (self.publication, self.checkpoints, self.actors) if x is not None]
+        optional = (self.publication, self.checkpoints, self.actors, self.ranks)
+        return own + [x.counters for x in optional if x is not None]
 
     def _server_counters(self) -> dict:
         return {

@@ -17,6 +17,8 @@ every process finds those variables set already. Besides the gradients, the rank
   ``run.trajectory_addresses``);
 - ``beat/<r>`` and ``stop``: heartbeats with counters, and the first stop of any rank (rankwatch.py).
 
+The store is reached under a token, and every value read from it is checked (rankstore.py).
+
 Stopping. A normal stop ends every rank after the same update: rank 0 marks the next update (its gradients carry a
 flag through the same all-reduce, learn.py), and every rank stops after it. A rank that dies or fails stops the others:
 its peers' all-reduce fails (gloo notices a closed connection at once; a hung peer after rank_collective_timeout_s),
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from ..actors.procs import die_with_parent
 from ..core.address import port_offset
+from . import rankstore
 from .rankwatch import RankWatch
 
 log = logging.getLogger("impala_async.learner.ranks")
@@ -78,28 +81,6 @@ def _log_format(rank: int) -> None:
         )
 
 
-def _prefix(raw):
-    from torch.distributed import PrefixStore
-
-    return PrefixStore(f"impala-async/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", raw)
-
-
-def _connect(rank: int, world: int, timeout_s: float):
-    """The store of the environment's rendezvous: torchrun's agent store, or rank 0's (rank 0 hosts it)."""
-    from torch.distributed import TCPStore
-
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    raw = TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=rank == 0 and not agent,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
-    return raw, _prefix(raw)
-
-
 def torchrun_world(learner_ranks: int) -> int | None:
     """Under torchrun: WORLD_SIZE (the number of ranks; SystemExit if --learner-ranks says otherwise). Else None."""
     got = launched()
@@ -123,14 +104,19 @@ def join_worker(rank_start_timeout_s: float):
     rank, world, local = got
     die_with_parent(int(os.environ.get(PARENT_ENV, "0") or 0))  # a rank started by rank 0 ends with it
     _log_format(rank)
+    token = rankstore.worker_token()
     try:
-        raw, store = _connect(rank, world, rank_start_timeout_s)
-        shared = json.loads(store.get("config"))  # waits for rank 0 (up to rank_start_timeout_s)
+        raw, store = rankstore.connect(rank, world, rank_start_timeout_s, token)
+        value = store.get("config")  # waits for rank 0 (up to rank_start_timeout_s)
     except Exception as e:
+        hint = f" (the same {rankstore.TOKEN_ENV} on every rank?)" if token else ""
         raise SystemExit(
             f"impala-async: learner rank {rank}: no configuration from rank 0 at "
-            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}: {e}"
+            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}{hint}: {e}"
         ) from None
+    shared = rankstore.checked_shared(value)
+    if isinstance(shared, str):
+        raise SystemExit(f"impala-async: learner rank {rank}: rank 0's configuration in the ranks' store: {shared}")
     group = RankGroup(rank, world, local, raw, store)
     group.shared = shared
     group.incarnation = shared["incarnation"]
@@ -148,12 +134,14 @@ def join_lead(cfg, shared: dict, resumed: dict | None, argv: list[str]):
         return None
     got = launched()
     _log_format(0)
+    token = rankstore.lead_token(hosting=got is None)
     if got is not None:  # torchrun (torchrun_world made learner_ranks its WORLD_SIZE)
-        raw, store = _connect(0, world, cfg.ranks.rank_start_timeout_s)
+        raw, store = rankstore.connect(0, world, cfg.ranks.rank_start_timeout_s, token)
         group = RankGroup(0, world, got[2], raw, store)
     else:
-        listener, raw = _host_store(world, cfg.ranks.rank_start_timeout_s)
-        group = RankGroup(0, world, 0, raw, _prefix(raw), _start_ranks(world, listener.getsockname()[1], argv))
+        listener, raw = rankstore.host_store(world, cfg.ranks.rank_start_timeout_s)
+        children = _start_ranks(world, listener.getsockname()[1], argv, token)
+        group = RankGroup(0, world, 0, raw, rankstore.prefix(raw, token), children)
         group.listener = listener
     group.cfg, group.resumed = cfg, resumed
     group.incarnation = wire.new_incarnation()  # one for the whole learner: trajectories carry it to any rank
@@ -161,30 +149,12 @@ def join_lead(cfg, shared: dict, resumed: dict | None, argv: list[str]):
     return group
 
 
-def _host_store(world: int, timeout_s: float):
-    """(listening socket, TCPStore) on a free loopback port: nothing outside this machine reaches the store."""
-    from torch.distributed import TCPStore
-
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(4 * world)
-    raw = TCPStore(
-        "127.0.0.1",
-        listener.getsockname()[1],
-        world,
-        is_master=True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=listener.fileno(),
-    )
-    return listener, raw
-
-
-def _start_ranks(world: int, port: int, argv: list[str]) -> list[subprocess.Popen]:
+def _start_ranks(world: int, port: int, argv: list[str], token: str) -> list[subprocess.Popen]:
     """Ranks 1..world-1 as children running the same command line, each in its own session (a Ctrl-C in the terminal
-    reaches rank 0 only, which stops the others in order) and dying with rank 0."""
+    reaches rank 0 only, which stops the others in order) and dying with rank 0. Each reads ``token`` from a pipe it
+    inherits (its environment, which /proc shows, does not hold it)."""
     env = dict(
-        os.environ,
+        {k: v for k, v in os.environ.items() if k != rankstore.TOKEN_ENV},
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
@@ -196,14 +166,23 @@ def _start_ranks(world: int, port: int, argv: list[str]) -> list[subprocess.Pope
         os.environ["GLOO_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs on loopback too
     children = []
     for r in range(1, world):
-        children.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "impala_async", *argv],
-                stdin=subprocess.DEVNULL,
-                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                start_new_session=True,
+        read_fd, write_fd = os.pipe()  # the token fits the pipe's buffer: written whole before the child starts
+        try:
+            try:
+                os.write(write_fd, token.encode("ascii"))
+            finally:
+                os.close(write_fd)
+            children.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "impala_async", *argv],
+                    stdin=subprocess.DEVNULL,
+                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r), rankstore.TOKEN_FD_ENV: str(read_fd)},
+                    start_new_session=True,
+                    pass_fds=(read_fd,),
+                )
             )
-        )
+        finally:
+            os.close(read_fd)
         log.info("learner rank %d: pid %d", r, children[-1].pid)
     return children
 
@@ -283,7 +262,11 @@ class RankGroup:
             return None
         keys = [f"address/{r}" for r in range(self.world)]
         self._wait_for(keys, self.cfg.ranks.rank_start_timeout_s, "their trajectory sockets")
-        return [self.store.get(k).decode() for k in keys]
+        addresses = [rankstore.checked_address(self.store.get(k)) for k in keys]
+        for r, address in enumerate(addresses):
+            if address is None:  # actors would be told to connect to it
+                raise SystemExit(f"impala-async: learner rank {r} shared a malformed trajectory address in the store")
+        return addresses
 
     def share_local_actor_key(self, keys):
         """Under CURVE, train's local actors get a key pair of rank 0's making: every rank admits its public key."""
@@ -291,6 +274,8 @@ class RankGroup:
             self.store.set("local_actor_key", next(k for k, name in keys.allowed.items() if name == "local"))
             return keys
         public = self.store.get("local_actor_key")
+        if not rankstore.checked_key(public):  # admitted by this rank's CURVE: only a well-formed public key
+            raise SystemExit("impala-async: rank 0 shared a malformed local actors' key in the learner ranks' store")
         return dataclasses.replace(keys, allowed={**keys.allowed, public: "local"})
 
     # ------------------------------------------------------------------------------------------- the watch
@@ -303,6 +288,10 @@ class RankGroup:
     def peers(self) -> list[tuple[dict, bool]]:
         """Rank 0: every other rank's latest figures and whether it is alive (counters.take's ``peers``)."""
         return self.watcher.peers() if self.watcher is not None else []
+
+    def counters(self) -> dict:
+        """The store's values this rank ignored, by reason (rankwatch.py); none before the watch starts."""
+        return self.watcher.counters() if self.watcher is not None else {}
 
     def announce(self, reason: str, code: int) -> None:
         """This rank stops (server.request_stop): tell the others."""
@@ -368,7 +357,10 @@ class RankGroup:
             "policy_version": trainer.policy_version,
         }
         tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
+        tmp.unlink(missing_ok=True)  # a leftover's mode would stay
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # weights: 0600, as checkpoints are
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
         os.replace(tmp, path)
         log.info("rank %d: state after %d updates written to %s", self.rank, learner.updates, path)
 
