@@ -5,6 +5,8 @@ Offline checks, all of them able to fail:
   fails), and compose.yaml against the Compose Specification's schema that check-jsonschema vendors;
 - the properties deployment needs (GPU, probes on /healthz at the metrics port, grace period above
   --shutdown-timeout-s, read-only Secrets with restrictive modes, scrape annotations, fleet size, security contexts);
+- whom the NetworkPolicies admit, by a small model of their semantics: Prometheus alone to the metrics ports, anyone
+  to the trajectory and weights ports (kubernetes-validate checks their schema, not that);
 - every flag the manifests hand to impala-async exists in its argparse parser, after the manifests' own shell
   wrappers ran (with a stub impala-async that prints its argv);
 - the key-copying init containers, run on a directory laid out as the kubelet lays out a Secret volume, produce key
@@ -230,7 +232,7 @@ def test_renderer_matches_kubectl_kustomize(rendered):
 def test_manifests_validate_strictly(rendered, variant):
     kv = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[deploy]' for kubernetes-validate")
     kinds = sorted(d["kind"] for d in rendered[variant])
-    assert kinds == ["Deployment", "Deployment", "PersistentVolumeClaim", "Service"]
+    assert kinds == ["Deployment", "Deployment", "NetworkPolicy", "NetworkPolicy", "PersistentVolumeClaim", "Service"]
     for version in sorted({K8S_VERSION, kv.latest_version()}):
         for doc in rendered[variant]:
             assert kv.validate(doc, version, strict=True) == kv.utils.major_minor(version)
@@ -263,6 +265,9 @@ def test_learner(rendered, variant, tmp_path):
     assert _flag(argv, "--curve-keys").startswith("/keys/")
     assert _flag(argv, "--device") == "cuda"
     assert (_flag(argv, "--metrics-host"), int(_flag(argv, "--metrics-port"))) == ("0.0.0.0", METRICS_PORT)
+    # /metrics answers to the Service's name (a Prometheus that scrapes it by name sends it as Host).
+    allowed = _flag(argv, "--metrics-allowed-hosts").split(",")
+    assert _one(docs, "Service", "impala-learner")["metadata"]["name"] in allowed
 
     for where in ("requests", "limits"):
         assert int(learner["resources"][where]["nvidia.com/gpu"]) == 1
@@ -380,6 +385,91 @@ def test_secrets_are_read_only_with_restrictive_modes(rendered, variant):
         (main,) = spec["containers"]
         (keys,) = [m for m in main["volumeMounts"] if m["mountPath"] == "/keys"]
         assert keys["readOnly"] is True and volumes[keys["name"]]["emptyDir"]["medium"] == "Memory"
+
+
+# ---------------------------------------------------------------------------------------------- NetworkPolicy
+# What kubernetes-validate checks of a NetworkPolicy: its schema (field names, types, unknown fields in strict mode).
+# What it cannot: whom the policy admits. That is evaluated here by a small model of networking.k8s.io/v1's semantics
+# (below). Neither can check that the cluster's network plugin enforces policies at all, that Prometheus really
+# carries the label, or what the plugin does with the node's own traffic (the kubelet's probes): README and the
+# manifest's comments say so.
+NAMESPACE = {"kubernetes.io/metadata.name": "impala"}  # where the manifests are applied (any namespace: the same)
+PROMETHEUS = ({"app.kubernetes.io/name": "prometheus"}, {"kubernetes.io/metadata.name": "monitoring"})
+ANY_POD = ({"app": "web"}, NAMESPACE)  # a pod of the same namespace that is none of these
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A label selector (matchLabels; {} selects everything). matchExpressions is not in this model: it fails."""
+    assert set(selector) <= {"matchLabels"}, f"not in this model: {selector}"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _peer_admits(peer: dict, pod: dict, ns: dict) -> bool:
+    assert set(peer) <= {"podSelector", "namespaceSelector"}, f"not in this model: {peer}"  # ipBlock: no pod's
+    in_namespace = _selects(peer["namespaceSelector"], ns) if "namespaceSelector" in peer else ns == NAMESPACE
+    return in_namespace and _selects(peer.get("podSelector", {}), pod)
+
+
+def _port_admits(rule_port: dict, port: int, named: dict[str, int]) -> bool:
+    assert rule_port.get("protocol", "TCP") == "TCP" and "endPort" not in rule_port, rule_port
+    return named.get(rule_port["port"], rule_port["port"]) == port
+
+
+def admits(docs: list[dict], deployment: str, port: int, source: tuple[dict, dict]) -> bool:
+    """Whether a TCP connection from a pod with labels ``source`` = (pod labels, its namespace's labels) to ``port`` of
+    ``deployment``'s pods is admitted by the NetworkPolicies of ``docs``: by every policy when none selects the pod
+    for Ingress; else when a rule of one of those admits it (its ``ports``, none: every port; its ``from``, none:
+    every source)."""
+    pod = _pod(docs, deployment)
+    named = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    policies = [
+        d["spec"]
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+        and "Ingress" in d["spec"].get("policyTypes", ["Ingress"])
+        and _selects(d["spec"]["podSelector"], pod["metadata"]["labels"])
+    ]
+    if not policies:
+        return True
+    return any(
+        ("ports" not in rule or any(_port_admits(p, port, named) for p in rule["ports"]))
+        and ("from" not in rule or any(_peer_admits(peer, *source) for peer in rule["from"]))
+        for policy in policies
+        for rule in policy.get("ingress", [])
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_only_prometheus_reaches_the_metrics_ports(rendered, variant):
+    docs = rendered[variant]
+    actor = (_pod(docs, "impala-actors")["metadata"]["labels"], NAMESPACE)
+    learner = (_pod(docs, "impala-learner")["metadata"]["labels"], NAMESPACE)
+    for deployment in ("impala-learner", "impala-actors"):
+        assert admits(docs, deployment, METRICS_PORT, PROMETHEUS), deployment
+        for source in (actor, learner, ANY_POD, ({"app.kubernetes.io/name": "prometheus-not"}, NAMESPACE)):
+            assert not admits(docs, deployment, METRICS_PORT, source), (deployment, source)
+        assert not admits(docs, deployment, 22, PROMETHEUS), deployment
+    # The learner's trajectory and weights ports stay open to every source (actors in or outside the cluster).
+    for port in (5555, 5556):
+        for source in (actor, ANY_POD, PROMETHEUS):
+            assert admits(docs, "impala-learner", port, source), (port, source)
+        assert not admits(docs, "impala-actors", port, ANY_POD)  # actor pods listen on nothing but metrics
+    # Every port a container of theirs declares is named by a rule (a policy that forgot one would cut it off).
+    for deployment in ("impala-learner", "impala-actors"):
+        for c in _pod(docs, deployment)["spec"]["containers"]:
+            for p in c["ports"]:
+                assert admits(docs, deployment, p["containerPort"], PROMETHEUS if p["name"] == "metrics" else ANY_POD)
+
+
+def test_the_policy_model_can_fail(rendered):
+    """Without the policies everything is admitted; with the metrics rule's `from` dropped, any pod is."""
+    docs = copy.deepcopy(rendered["base"])
+    without = [d for d in docs if d["kind"] != "NetworkPolicy"]
+    assert admits(without, "impala-learner", METRICS_PORT, ANY_POD)
+    (metrics_rule,) = [r for r in _one(docs, "NetworkPolicy", "impala-learner")["spec"]["ingress"] if "from" in r]
+    del metrics_rule["from"]
+    assert admits(docs, "impala-learner", METRICS_PORT, ANY_POD)
+    assert not admits(docs, "impala-actors", METRICS_PORT, ANY_POD)
 
 
 # ---------------------------------------------------------------------------------- keys: Secret volume -> auth
@@ -588,6 +678,10 @@ def test_compose(tmp_path):
     (job,) = config["scrape_configs"]
     assert job["metrics_path"] == "/metrics"
     assert job["static_configs"] == [{"targets": [f"learner:{METRICS_PORT}"]}]
+    # Prometheus sends its target's name as Host: the learner must answer to it (else 421, and no metrics).
+    argv = _compose_argv(compose, tmp_path)
+    (target,) = job["static_configs"][0]["targets"]
+    assert target.rsplit(":", 1)[0] in _flag(argv, "--metrics-allowed-hosts").split(",")
 
 
 def test_deploy_extra_lists_the_validators():

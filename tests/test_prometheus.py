@@ -439,24 +439,27 @@ def test_answers_routes_and_refuses_the_rest(small_server):
 
 
 def test_connections_and_request_time_are_bounded(small_server):
-    """Two idle connections take both slots: a third is answered 503 at once; after request_timeout_s (1 s) the idle
-    ones are closed by the server and it answers again."""
+    """Two unfinished requests hold both places (max_connections 2): /healthz, arriving whole with its connection, is
+    answered at once all the same; a third unfinished one takes the oldest's place; after request_timeout_s (1 s) the
+    server closes the ones left."""
     server, port = small_server
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
     try:
-        wait_for(lambda: server.connections_open == 2, 5, "both slots taken")
+        for s in slow[:2]:
+            s.sendall(b"GET /hea")
+        wait_for(lambda: server.connections_open == 2, 5, "both places taken")
         t0 = time.monotonic()
-        status, body = get(port, "/healthz")
-        assert status == 503 and "busy" in body and time.monotonic() - t0 < 0.9
-        for s in idle:
-            s.sendall(b"GET /hea")  # a request that never completes
-        for s in idle:
-            assert s.recv(100) == b""  # closed by the server
+        assert get(port, "/healthz") == (200, "fine\n") and time.monotonic() - t0 < 0.9
+        slow[2].sendall(b"GET /hea")
+        assert slow[0].recv(100) == b""
+        assert server.refusals["evicted"] == 1
+        for s in slow[1:]:
+            assert s.recv(100) == b""
         assert time.monotonic() - t0 < 3
-        assert server.timed_out == 2 and server.refused_busy == 1
+        assert server.timed_out == 2 and server.refusals["busy"] == 0
         assert get(port, "/healthz")[0] == 200
     finally:
-        for s in idle:
+        for s in slow:
             s.close()
 
 

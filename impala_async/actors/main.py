@@ -90,14 +90,7 @@ def supervise(target: ActorTarget, options: ActorOptions, metrics: MetricsHttp, 
     state, http = observe.SupervisorState(procs), None
     if serve_port:  # before the actors start: a port that cannot be bound is refused at once
         try:
-            http = observe.serve(
-                state,
-                metrics.metrics_host,
-                serve_port,
-                max_connections=metrics.max_metrics_connections,
-                request_timeout_s=metrics.metrics_request_timeout_s,
-                max_request_bytes=metrics.max_metrics_request_bytes,
-            )
+            http = observe.serve(state, metrics.metrics_host, serve_port, **observe.server_options(metrics))
         except OSError as e:
             raise SystemExit(
                 f"impala-async: cannot serve /healthz on {metrics.metrics_host}:{serve_port} "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
+from ..config import MetricsHttp
 from ..ops import httpd
 from .procs import ActorProcesses
 
@@ -51,16 +52,23 @@ class SupervisorState:
         )
 
 
-def serve(
-    state: SupervisorState,
-    host: str,
-    port: int,
-    *,
-    max_connections: int,
-    request_timeout_s: float,
-    max_request_bytes: int,
-) -> httpd.HttpServer:
-    """Start the supervisor's HTTP server; OSError if it cannot bind."""
+def server_options(metrics: MetricsHttp) -> dict:
+    """The :class:`httpd.HttpServer` limits a MetricsHttp section (the learner's Observe too) asks for, as keywords."""
+    return {
+        "max_connections": metrics.max_metrics_connections,
+        "max_connections_per_address": metrics.max_metrics_connections_per_address,
+        "request_timeout_s": metrics.metrics_request_timeout_s,
+        "head_timeout_s": metrics.metrics_head_timeout_s,
+        "max_request_bytes": metrics.max_metrics_request_bytes,
+        "threads": metrics.metrics_threads,
+        "max_queued_requests": metrics.max_metrics_queued_requests,
+        "allowed_hosts": metrics.allowed_hosts(),
+    }
+
+
+def serve(state: SupervisorState, host: str, port: int, **limits) -> httpd.HttpServer:
+    """Start the supervisor's HTTP server; OSError if it cannot bind. ``limits``: :class:`httpd.HttpServer`'s
+    keywords (:func:`server_options`)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(state)
 
@@ -69,13 +77,8 @@ def serve(
         return httpd.text(200 if ok else 503, reason)
 
     server = httpd.HttpServer(
-        host,
-        port,
-        {"/metrics": httpd.metrics_route(registry), "/healthz": healthz},
-        max_connections=max_connections,
-        request_timeout_s=request_timeout_s,
-        max_request_bytes=max_request_bytes,
-        name="actors",
+        host, port, {"/metrics": httpd.metrics_route(registry), "/healthz": healthz}, name="actors", **limits
     )
+    registry.register(server.collector())
     server.start()
     return server

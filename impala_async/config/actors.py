@@ -6,6 +6,7 @@ supervisor."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .fields import Section, at_least, finite_positive, need, opt, positive
@@ -30,29 +31,78 @@ class MetricsHttp(Section):
         "address the metrics port binds (default: $IMPALA_ASYNC_METRICS_HOST, "
         "else 127.0.0.1; nothing authenticates it, see README, Operations)",
     )
-    max_metrics_connections: int = opt(8, "metrics HTTP connections answered at once; more are answered 503")
+    max_metrics_connections: int = opt(
+        256,
+        "metrics HTTP connections held at once, from all addresses (and at most a quarter of the process's "
+        "descriptor limit): at the cap the oldest one still sending its request head is closed for the newest; "
+        "a request that arrives whole with its connection (a probe's) is answered at once, caps or not",
+    )
+    max_metrics_connections_per_address: int = opt(
+        32,
+        "metrics HTTP connections held at once from one source address: at the cap its oldest one still sending "
+        "its request head is closed for the newest, so one client cannot crowd out the others",
+    )
     max_metrics_request_bytes: int = opt(
         8192, "a metrics HTTP request head (request line and headers) longer than this is refused (431)"
     )
+    metrics_head_timeout_s: float = opt(
+        2.0,
+        "a metrics HTTP connection that has not sent its whole request head within this long is closed "
+        "(what frees the room idle or slow clients hold)",
+    )
     metrics_request_timeout_s: float = opt(
         5.0, "a metrics HTTP request must be read and answered within this long or its connection is closed"
+    )
+    metrics_threads: int = opt(2, "threads that compute /metrics answers (/healthz is answered without them)")
+    max_metrics_queued_requests: int = opt(
+        16, "/metrics requests waiting for one of metrics_threads; one more is answered 503"
+    )
+    metrics_allowed_hosts: str = opt(
+        "",
+        "host names, comma separated, the metrics HTTP server answers to besides IP addresses and localhost "
+        "(the request's Host header; .example.org: every name under it); others are refused (421), which "
+        "stops a DNS-rebinding web page in a browser on this machine from reading /metrics",
     )
 
     def check(self) -> None:
         super().check()
         problem = metrics_address_problem(self.metrics_port, self.metrics_host)
         need(problem is None, problem or "")
-        at_least(self, 1, "max_metrics_connections")
+        at_least(self, 1, "max_metrics_connections", "max_metrics_connections_per_address", "metrics_threads")
+        at_least(self, 1, "max_metrics_queued_requests")
+        need(
+            self.max_metrics_connections_per_address <= self.max_metrics_connections,
+            "max_metrics_connections_per_address must be <= max_metrics_connections (it could never be reached)",
+        )
         need(
             self.max_metrics_request_bytes >= 256,
             "max_metrics_request_bytes must be >= 256: a GET with its usual headers would be refused",
         )
-        finite_positive(self, "metrics_request_timeout_s")
+        finite_positive(self, "metrics_head_timeout_s", "metrics_request_timeout_s")
+        need(
+            self.metrics_head_timeout_s <= self.metrics_request_timeout_s,
+            "metrics_head_timeout_s must be <= metrics_request_timeout_s: the request head is part of the request",
+        )
+        self.allowed_hosts()
 
+    def allowed_hosts(self) -> tuple[str, ...]:
+        """metrics_allowed_hosts as names, lower case; ValueError for an entry that is not a host name (a port, a
+        wildcard, a scheme: a Host check against it would refuse what it was meant to allow)."""
+        names = tuple(h.strip().lower().rstrip(".") for h in self.metrics_allowed_hosts.split(",") if h.strip())
+        for name in names:
+            need(
+                _HOST_NAME.fullmatch(name) is not None,
+                f"metrics_allowed_hosts: {name!r} is not a host name (letters, digits, '-' and '.'; a leading "
+                f"'.' for every name under it; no port, no '*')",
+            )
+        return names
+
+
+_HOST_NAME = re.compile(r"\.?[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*")
 
 # Fields about this process, not the run: a resumed run takes them from its own command line and environment, never
 # from the checkpoint's configuration (a learner restarted in another container must not reuse the old port).
-PER_INVOCATION = ("metrics_port", "metrics_host")
+PER_INVOCATION = ("metrics_port", "metrics_host", "metrics_allowed_hosts")
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,14 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
+from ..actors.observe import server_options
 from ..config.service import Observe
 from ..core.wire import REJECT_REASONS
 from ..ops import httpd
 from .counters import Snapshot
 from .guard import CUT_REASONS
 from .histograms import LAG_BUCKETS, RHO_BUCKETS
+from .rankwatch import REJECT_REASONS as RANK_REJECT_REASONS
 
 P = "impala_async_"
 # Cumulative figures of the snapshot exported as counters: key -> (name without _total, help).
@@ -186,6 +188,12 @@ class LearnerCollector:
             "reason",
             {r: own[f"rejected_{r}"] for r in REJECT_REASONS},
         )
+        yield _by(
+            "rank_values_rejected",
+            "values read from the learner ranks' store and ignored as malformed, by reason (0 with one rank)",
+            "reason",
+            {r: own.get(f"rank_values_rejected_{r}", 0) for r in RANK_REJECT_REASONS},
+        )
         stages = {
             k[len("stage_") : -len("_s")]: v for k, v in own.items() if k.startswith("stage_") and k.endswith("_s")
         }
@@ -281,11 +289,10 @@ def start(
             observe.metrics_host,
             observe.metrics_port,
             {"/metrics": httpd.metrics_route(registry), "/healthz": healthz},
-            max_connections=observe.max_metrics_connections,
-            request_timeout_s=observe.metrics_request_timeout_s,
-            max_request_bytes=observe.max_metrics_request_bytes,
+            **server_options(observe),
             name="learner",
         )
+        registry.register(http.collector())
         http.start()
     except OSError as e:
         raise SystemExit(
