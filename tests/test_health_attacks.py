@@ -351,8 +351,9 @@ def test_the_server_survives_running_out_of_descriptors(tmp_path):
 # ------------------------------------------------------------------------------------------------ configuration
 def test_configuration_checks_and_defaults():
     MetricsHttp().check()
+    MetricsHttp(max_metrics_connections=8).check()  # what checkpoints of runs before the per-address cap hold
     for bad, match in (
-        ({"max_metrics_connections_per_address": 300}, "max_metrics_connections_per_address must be <="),
+        ({"max_metrics_connections_per_address": 0}, "max_metrics_connections_per_address must be >= 1"),
         ({"metrics_head_timeout_s": 6.0}, "metrics_head_timeout_s must be <="),
         ({"metrics_head_timeout_s": float("nan")}, "metrics_head_timeout_s"),
         ({"metrics_threads": 0}, "metrics_threads must be >= 1"),
