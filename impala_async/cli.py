@@ -53,15 +53,14 @@ LEARNER_SKIPS = {"train": (), "learner": ("num_actors", "envs_per_actor")}  # fl
 def load_learner_config(args):
     """train and learner: (the configuration's layers, the state of the checkpoint a --resume continues or None);
     SystemExit with one line for a wrong file or value, or a resume without a usable checkpoint."""
-    from .learner import checkpoint
     from .learner import main as learner_main
 
     flags = {k: v for k, v in vars(args).items() if k in INDEX}  # exactly the flags typed (their default: SUPPRESS)
 
     def load_checkpoint(directory: str, max_bytes: int):
-        return checkpoint.load_latest(
-            directory, max_bytes=max_bytes, validate=checkpoint.validate_learner_state, quarantine=True
-        )
+        from .learner import resume  # torch: only for a resume
+
+        return resume.load_newest(directory, max_bytes)  # checked whole; those that fail are set aside
 
     try:
         return learner_main.configure(
@@ -171,11 +170,18 @@ def cmd_eval(args) -> int:
         video_max_frames=args.video_max_frames,
         fps=args.fps,
         max_checkpoint_bytes=args.max_checkpoint_bytes,
+        allow_env_module=args.allow_env_module,
     )
     try:
         return evaluate.main(opts, as_json=args.json)
     except evaluate.EvalError as e:
         raise SystemExit(f"impala-async eval: {e}") from None
+
+
+EVAL_ALLOW_ENV_MODULE_HELP = (
+    "1: play a checkpoint whose env id is module:Name, importing module (which runs its code); the package's own test "
+    "environments need no such permission (default: 0, refused: a checkpoint cannot run code)"
+)
 
 
 def _add_eval(sub) -> None:
@@ -229,6 +235,7 @@ def _add_eval(sub) -> None:
         default=4 << 30,
         help="refuse a checkpoint larger than this (default: 4 GiB)",
     )
+    ev.add_argument("--allow-env-module", type=int, choices=(0, 1), default=0, help=EVAL_ALLOW_ENV_MODULE_HELP)
     ev.set_defaults(func=cmd_eval)
 
 

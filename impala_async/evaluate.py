@@ -14,6 +14,7 @@ with pygame), else built from uint8 image observations (:func:`frame_from_obs`),
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -27,6 +28,7 @@ import torch
 
 from .actors.envs import frame_stack_of, make_env
 from .config import LearnerConfig, from_flat
+from .config.sections import OWN_ENV_MODULES, env_module
 from .core.models import build_model
 from .core.spec import TrajectorySpec
 from .learner import checkpoint
@@ -69,6 +71,7 @@ class EvalOptions:
     video_max_frames: int = 10_000  # per video (a GIF holds its frames in memory until written)
     fps: int = 30
     max_checkpoint_bytes: int = 4 << 30
+    allow_env_module: int = 0  # 1: a checkpoint's env id module:Name may import its module (run its code)
 
     def check(self) -> None:
         for name in ("episodes", "max_episode_steps", "video_max_frames", "fps", "max_checkpoint_bytes"):
@@ -88,26 +91,38 @@ class Episode:
 
 
 def load_state(path: str | Path, max_bytes: int) -> tuple[dict, Path]:
-    """The learner checkpoint at ``path`` (a file, or a run directory's newest good one), validated."""
+    """The learner checkpoint at ``path`` (a file, or a run directory's newest good one), validated as a resume
+    validates it (checkpoint.validate_learner_state) but for the optimizer's state, which eval never reads. Files that
+    fail are skipped, never renamed: eval only reads a run's directory."""
     path = Path(path)
+    validate = functools.partial(checkpoint.validate_learner_state, max_bytes=max_bytes, optimizer=False)
     if path.is_dir():
-        found = checkpoint.load_latest(path, max_bytes=max_bytes, validate=checkpoint.validate_learner_state)
+        found = checkpoint.load_latest(path, max_bytes=max_bytes, validate=validate)
         if found is None:
             raise EvalError(f"no usable checkpoint in {path} (see the warnings above)")
         return found
-    if not path.is_file():
+    if not path.exists():
         raise EvalError(f"{path}: no such checkpoint file or run directory")
     try:
         state = checkpoint.load(path, max_bytes)
-        checkpoint.validate_learner_state(state)
+        validate(state)
     except Exception as e:
         raise EvalError(f"{path} is no usable learner checkpoint: {type(e).__name__}: {str(e)[:300]}") from None
     return state, path
 
 
-def run_config(state: dict) -> LearnerConfig:
-    """The run's LearnerConfig from the checkpoint (fields this version does not know are left out)."""
-    return from_flat(state["config"], "the checkpoint's configuration", strict=False)
+def run_config(state: dict, allow_env_module: int = 0) -> LearnerConfig:
+    """The run's LearnerConfig from the checkpoint (fields this version does not know are left out). EvalError for an
+    env id ``module:Name`` (whose module gymnasium would import, running its code) unless the module is the package's
+    own test environments' or ``allow_env_module`` (--allow-env-module 1) permits it: a checkpoint cannot run code."""
+    cfg = from_flat(state["config"], "the checkpoint's configuration", strict=False)
+    module = env_module(cfg.env.env)
+    if module and module not in OWN_ENV_MODULES and not allow_env_module:
+        raise EvalError(
+            f"the checkpoint's env id {cfg.env.env!r} would import module {module!r}, running its code: type "
+            f"--allow-env-module 1 to allow that"
+        )
+    return cfg
 
 
 def build_network(cfg: LearnerConfig, spec: TrajectorySpec, weights: dict) -> torch.nn.Module:
@@ -327,7 +342,7 @@ def evaluate(opts: EvalOptions, progress=None) -> Report:
     """Play ``opts.episodes`` episodes; ``progress(i, episode)`` after each."""
     opts.check()
     state, path = load_state(opts.checkpoint, opts.max_checkpoint_bytes)
-    cfg = run_config(state)
+    cfg = run_config(state, opts.allow_env_module)
     spec = TrajectorySpec.from_dict(state["spec"])
     model = build_network(cfg, spec, state["learner"]["model"])
     writer = VideoWriter(opts.video, opts.fps, opts.video_max_frames) if opts.video else None

@@ -22,6 +22,7 @@ from pathlib import Path
 from . import presets
 from .actors import PER_INVOCATION
 from .learner import INDEX, LearnerConfig, from_flat
+from .sections import OWN_ENV_MODULES, env_module
 
 DEFAULT, RESUMED, FLAG, COMMAND, RESOLVED = "default", "resumed", "flag", "command", "resolved"
 CONFIG_JSON = "config.json"
@@ -88,10 +89,22 @@ def load(
     resumed_layers: dict | None = None,
     command: dict | None = None,
 ) -> Layered:
-    """The layers put together (module docstring); ValueError naming the file or field at fault. ``resumed``: a
-    checkpoint's configuration, ``resumed_layers`` the layers it was saved with (absent in older checkpoints)."""
+    """The layers put together (module docstring); ValueError naming the file or field at fault, or refusing an env
+    id that would import a module named by a file (:func:`env_module_refusal`). ``resumed``: a checkpoint's
+    configuration, ``resumed_layers`` the layers it was saved with (absent in older checkpoints)."""
     from_file = read_file(file) if file else {}
-    resumed_values = _resumed(resumed or {}, resumed_layers or {}, {**from_file, **flags})
+    layered = stack(flags, from_file, file, resumed or {}, resumed_layers or {}, command or {})
+    refusal = env_module_refusal(layered)
+    if refusal:
+        raise ValueError(refusal)
+    return layered
+
+
+def stack(flags: dict, from_file: dict, file: str, resumed: dict, resumed_layers: dict, command: dict) -> Layered:
+    """The defaults, the preset, what a resume takes of ``resumed`` (:func:`_resumed`), the file's values, the flags
+    and the command's, in that order. With only ``resumed``: the configuration a checkpoint would resume with, which
+    is what validating a checkpoint checks (learner/statecheck.py)."""
+    resumed_values = _resumed(resumed, resumed_layers, {**from_file, **flags})
     on_top = {**resumed_values, **from_file, **flags}
     env_id = on_top.get("env", LearnerConfig().env.env)
     family = presets.chosen(on_top.get("preset", LearnerConfig().run.preset), str(env_id))
@@ -100,8 +113,27 @@ def load(
         layered = layered.over(f"preset:{family}", presets.PRESETS[family])
     layered = layered.over(RESUMED, resumed_values, "the checkpoint's configuration")
     layered = layered.over(f"file:{file}", from_file, file)
-    layered = layered.over(FLAG, flags)
-    return layered.over(COMMAND, command or {})
+    return layered.over(FLAG, flags).over(COMMAND, command)
+
+
+def env_module_refusal(layered: Layered) -> str:
+    """Why the env id must not be used ("" if it may). An id ``module:Name`` makes gymnasium import ``module``, which
+    runs its code: from a file (the configuration of the checkpoint a --resume continues, a --config file) that is
+    refused, so that a file cannot make the learner run code, unless the module is the package's own test environments'
+    (sections.OWN_ENV_MODULES) or --allow-env-module 1 was typed on the command line (the flag layer: the same value
+    from a file does not count). An id typed with --env is the user's own choice."""
+    env = layered.cfg.env
+    module = env_module(env.env)
+    if not module or module in OWN_ENV_MODULES or layered.layer("env") == FLAG:
+        return ""
+    if env.allow_env_module and layered.layer("allow_env_module") == FLAG:
+        return ""
+    source = layered.layer("env")
+    where = "the resumed checkpoint's configuration" if source == RESUMED else source.replace("file:", "--config ")
+    return (
+        f"env {env.env!r} from {where} would import module {module!r}, running its code: type --allow-env-module 1 "
+        f"to allow that (or the id itself with --env)"
+    )
 
 
 def _resumed(saved: dict, saved_layers: dict, above: dict) -> dict:

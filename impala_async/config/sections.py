@@ -23,6 +23,17 @@ ENV_BACKENDS = ("auto", "gymnasium", "envpool")  # actors/vec.py
 DEFAULT_ENV_BACKEND = "auto"  # envpool for Atari where installed: ~10% more Pong steps per actor core (BENCHMARKS.md 9)
 PRESETS = ("auto", "none", "classic", "minatar", "atari")  # config/presets.py
 AUTO_SCRATCH_BYTES = 64 << 20  # decoded bytes of one message at most, when max_trajectories_per_message is auto
+# Modules an env id "module:Name" may name from a file (a checkpoint's configuration, --config): the package's own
+# test environments, imported with the package anyway. Any other module only from --env typed on the command line, or
+# with --allow-env-module 1 typed there (config/layers.py, env_module_refusal): importing a module runs its code, and
+# a file must not be able to make the learner or eval run code.
+OWN_ENV_MODULES = ("impala_async.actors.envs",)
+
+
+def env_module(env_id: str) -> str:
+    """The module an env id of the form ``module:Name`` makes gymnasium import ("" for a plain id)."""
+    module, sep, _ = env_id.partition(":")
+    return module if sep else ""
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,18 @@ class Env(Section):
 
     NAME = "env"
     TITLE = "environment"
-    env: str = opt("CartPole-v1", "gymnasium environment id (Discrete actions; vector or uint8-image observations)")
+    env: str = opt(
+        "CartPole-v1",
+        "gymnasium environment id (Discrete actions; vector or uint8-image observations); module:Name imports "
+        "module first (from a --config file or a checkpoint only with --allow-env-module 1 typed)",
+    )
+    allow_env_module: int = opt(
+        0,
+        "1: take an env id of the form module:Name (which imports module, running its code) from a --config file or "
+        "the checkpoint a --resume continues; counts only typed on the command line (an id typed with --env, and "
+        f"ids of {', '.join(OWN_ENV_MODULES)}, need no such permission)",
+        choices=(0, 1),
+    )
     env_kwargs: str = opt(
         "",
         "JSON object of keyword arguments for the environment, the same in learner and "

@@ -5,10 +5,9 @@ Written to a temporary file in the same directory, fsynced, renamed over the fin
 learner whose peers have taken every file descriptor can still save; a save that fails anyway raises, and the caller
 retries later (training goes on).
 
-Loaded with ``torch.load(weights_only=True)`` (a checkpoint cannot run code), and only after the file passed checks
-that bound what loading it costs: a zip archive (torch's format) no larger than ``max_bytes`` whose records are all
-stored uncompressed, as torch writes them (so nothing decompresses beyond the file's size). ``load_latest`` then
-validates what it loaded and falls back to the previous checkpoint with a warning.
+Loaded by safeload.py (a checkpoint cannot run code, and what loading it costs is bounded before it is parsed), then
+validated (:func:`validate_learner_state`, every field typed and ranged); ``load_latest`` falls back to the previous
+checkpoint with a warning, setting a bad one aside (``NAME.bad``) when a run resumes.
 """
 
 from __future__ import annotations
@@ -18,13 +17,12 @@ import logging
 import os
 import re
 import time
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ..core.finite import nonfinite
+from .safeload import check_archive, check_tree, load  # noqa: F401 (checkpoint.load is the API)
 
 log = logging.getLogger("impala_async.learner.checkpoint")
 _NAME = re.compile(r"^checkpoint-(\d{12})\.pt$")
@@ -137,33 +135,6 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if _NAME.match(p.name))
 
 
-def check_archive(path: Path, max_bytes: int) -> None:
-    """Raise ValueError unless ``path`` is a torch zip archive of at most ``max_bytes`` with every record stored."""
-    size = path.stat().st_size
-    if size > max_bytes:
-        raise ValueError(f"{size} bytes > max_checkpoint_bytes={max_bytes}")
-    if not zipfile.is_zipfile(path):
-        raise ValueError("not a zip archive (torch.save's format)")
-    with zipfile.ZipFile(path) as z:
-        infos = z.infolist()
-        if not infos:
-            raise ValueError("an empty archive")
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise ValueError(f"record {info.filename[:80]!r} is compressed; torch stores records uncompressed")
-        claimed = sum(info.file_size for info in infos)
-        if claimed > max_bytes:
-            raise ValueError(f"records of {claimed} bytes > max_checkpoint_bytes={max_bytes}")
-
-
-def load(path: Path, max_bytes: int, map_location="cpu") -> dict:
-    check_archive(path, max_bytes)
-    state = torch.load(path, map_location=map_location, weights_only=True)
-    if type(state) is not dict:
-        raise ValueError(f"holds a {type(state).__name__}, not a dict")
-    return state
-
-
 def load_latest(
     directory: Path,
     max_bytes: int = 4 << 30,
@@ -171,12 +142,15 @@ def load_latest(
     map_location="cpu",
     quarantine: bool = False,
 ) -> tuple[dict, Path] | None:
-    """Newest checkpoint that passes the archive checks, loads and ``validate``s (which raises to refuse it); the
+    """Newest checkpoint that passes the file checks, loads and ``validate``s (which raises to refuse it); the
     others are skipped with a warning. None if there is none.
 
-    ``quarantine`` (a run about to resume) renames each skipped file to ``NAME.bad``: left in place, a bad checkpoint
-    would count among the newest ``keep`` and have the resumed run's good ones pruned instead, and the next resume
-    would meet it again."""
+    ``quarantine`` (a run about to resume) sets each skipped file aside (:func:`set_aside`): left in place, a bad
+    checkpoint would count among the newest ``keep`` and have the resumed run's good ones pruned instead, and the next
+    resume would meet it again. But two in a row refused for the same reason is no damage to either file: this version
+    or this machine refuses them all (a check a new version added, a field whose default changed), and setting each
+    aside would set aside the whole run. Then the first is put back, and ValueError names the reason."""
+    failed: tuple[Path, Path | None, str] | None = None  # (path, set aside as, reason) of the last one refused
     for path in reversed(list_checkpoints(directory)):
         try:
             state = load(path, max_bytes, map_location)
@@ -184,59 +158,50 @@ def load_latest(
                 validate(state)
             return state, path
         except Exception as e:  # truncated, corrupt, oversized, malformed or non-finite: the previous one
-            log.warning("skipping checkpoint %s: %s: %s", path, type(e).__name__, str(e)[:300])
-            if quarantine:
-                path.rename(path.with_name(path.name + ".bad"))
-                log.warning("renamed it to %s.bad", path.name)
+            reason = f"{type(e).__name__}: {str(e)[:300]}"
+            log.warning("skipping checkpoint %s: %s", path, reason)
+            if quarantine and failed is not None and failed[2] == reason:
+                if failed[1] is not None:
+                    put_back(failed[0])
+                raise ValueError(
+                    f"checkpoints {failed[0].name} and {path.name} are refused alike ({reason}): this version or "
+                    f"this machine refuses them, no damage to either; none set aside"
+                ) from None
+            damage = getattr(e, "damage", True)  # False: another version's file, refused by this one (statecheck)
+            failed = (path, set_aside(path) if quarantine and damage else None, reason)
     return None
 
 
-# What the learner server writes (LearnerServer.checkpoint_state): key -> accepted types.
-_LEARNER_STATE = {
-    "learner": dict,
-    "policy_version": int,
-    "env_steps": int,
-    "episodes": int,
-    "returns": list,
-    "lengths": list,
-    "wall_s": (float, int),
-    "config": dict,
-    "spec": dict,
-    "torch_rng": torch.Tensor,
-}
-_LEARNER_INNER = {"model": dict, "optimizer": dict, "env_steps_trained": int, "updates": int}
+def put_back(path: Path) -> None:
+    """Undo :func:`set_aside` of ``path`` (a refusal that turned out to be no fault of the file)."""
+    path = Path(path)
+    bad = path.with_name(path.name + ".bad")
+    if os.path.lexists(bad) and not os.path.lexists(path):
+        os.rename(bad, path)
+        log.warning("put %s back: no damage to it", path.name)
 
 
-def validate_learner_state(state: dict) -> None:
-    """Raise ValueError unless ``state`` has the learner checkpoint's layout and every float tensor in it (model and
-    optimizer state) is finite: a run that resumed from NaN weights would publish them to every actor."""
-    for key, kind in _LEARNER_STATE.items():
-        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
-            raise ValueError(f"{key!r} is missing or not a {kind}")
-    inner = state["learner"]
-    for key, kind in _LEARNER_INNER.items():
-        if not isinstance(inner.get(key), kind) or isinstance(inner.get(key), bool):
-            raise ValueError(f"learner.{key} is missing or not a {kind}")
-    if not inner["model"] or not all(isinstance(t, torch.Tensor) for t in inner["model"].values()):
-        raise ValueError("learner.model holds no tensors")
-    for where, tensors in (("model", inner["model"].items()), ("optimizer", _tensors(inner["optimizer"]))):
-        bad = nonfinite(tensors)
-        if bad:
-            raise ValueError(f"non-finite values in {where} tensor {bad[0]}")
-    if not all(isinstance(x, float | int) and not isinstance(x, bool) for x in state["returns"] + state["lengths"]):
-        raise ValueError("returns and lengths must be lists of numbers")
+def set_aside(path: Path) -> Path | None:
+    """Rename a checkpoint that must not be resumed from to ``NAME.bad`` (never opened: a FIFO is renamed as it is);
+    the new path, or None (logged) where the directory does not allow it."""
+    bad = Path(path).with_name(Path(path).name + ".bad")
+    try:
+        os.rename(path, bad)
+    except OSError as e:
+        log.error("could not set %s aside (it will be met again at the next resume): %s", path, e)
+        return None
+    log.warning("set it aside as %s", bad.name)
+    return bad
 
 
-def _tensors(tree, prefix: str = ""):
-    """(path, tensor) for every tensor nested in dicts and lists."""
-    if isinstance(tree, torch.Tensor):
-        yield prefix, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(tree, list | tuple):
-        for i, v in enumerate(tree):
-            yield from _tensors(v, f"{prefix}[{i}]")
+def validate_learner_state(state: dict, max_bytes: int = 4 << 30, optimizer: bool = True) -> None:
+    """Raise ValueError unless ``state`` holds what a learner checkpoint must (learner/statecheck.py): every field
+    typed and ranged, a configuration this version accepts, a network of at most ``max_bytes`` of weights that its
+    configuration and spec describe, weights (and with ``optimizer``, optimizer state) that fit it, every float
+    tensor finite (a run that resumed from NaN weights would publish them to every actor)."""
+    from . import statecheck
+
+    statecheck.validate(state, max_bytes, optimizer=optimizer)
 
 
 def learner_state(

@@ -25,7 +25,8 @@ def configure(
     """(the configuration's layers, checked; the checkpoint state of a resume, or None). ValueError (a refusal, one
     line) for a bad file or value; SystemExit when a resume finds no usable checkpoint. A learner rank > 0 gets its
     own command line's layers, unchecked and without the resume: it takes rank 0's configuration in :func:`run`.
-    ``load_checkpoint(directory, max_bytes)`` finds a resume's (state, path)."""
+    ``load_checkpoint(directory, max_bytes)`` finds a resume's (state, path): the newest that passes every check of the
+    file alone (resume.load_newest, which sets the others aside); its path goes under ``resume.RESUMED_FROM``."""
     layered, state = layers.load(flags=flags, file=file, command=command), None
     if ranks.env_rank() > 0:  # rank 0's configuration comes later (run); these layers give the rank's start timeout
         return layered, None
@@ -33,15 +34,21 @@ def configure(
         found = load_checkpoint(resume, layered.cfg.checkpoints.max_checkpoint_bytes)
         if found is None:
             raise SystemExit(f"impala-async: no usable checkpoint in {resume} (see the warnings above)")
+        from .resume import RESUMED_FROM  # torch: only now, for a checkpoint loaded already
+
         state, path = found
+        state[RESUMED_FROM] = str(path)
         log.info("resuming from %s", path)
-        layered = layers.load(
-            flags=flags,
-            file=file,
-            resumed=state["config"],
-            resumed_layers=state.get("config_layers"),
-            command={**(command or {}), "logdir": resume},
-        )
+        try:
+            layered = layers.load(
+                flags=flags,
+                file=file,
+                resumed=state["config"],
+                resumed_layers=state.get("config_layers"),
+                command={**(command or {}), "logdir": resume},
+            )
+        except ValueError as e:  # its configuration is valid (validated): with the flags and file, or a permission
+            raise ValueError(f"resuming {path}: {e}") from None
     world = ranks.torchrun_world(layered.cfg.ranks.learner_ranks)
     if world is not None and world != layered.cfg.ranks.learner_ranks:
         layered = layered.over(layers.COMMAND, {"learner_ranks": world})
@@ -162,12 +169,13 @@ def _serve(
 ) -> int:
     import uvloop
 
+    from . import resume
     from .server import LearnerServer
 
     cfg = layered.cfg
     if group is not None:  # the process group; rank 0's checkpoint state, on every rank
         device, resumed = group.start(device), group.resumed
-    learner = build_learner(cfg, spec, device, resumed)
+    learner, resumed = resume.restore(lambda: build_learner(cfg, spec, device), cfg, spec, resumed, group)
     if group is not None:
         group.distribute(learner)  # gradients averaged over the ranks
     actors, keys = _local_actors(cfg, keys, group, lambda: server.endpoints)
@@ -189,31 +197,15 @@ def _serve(
     return code if group is None else group.exit(code)
 
 
-def build_learner(cfg: LearnerConfig, spec, device, resumed: dict | None):
-    """The network and optimizer, with a resumed run's state; SystemExit (one line) for a network this observation
-    space cannot take or a checkpoint of another spec."""
-    import dataclasses
-
-    from ..core.spec import TrajectorySpec
+def build_learner(cfg: LearnerConfig, spec, device):
+    """A fresh network and optimizer; SystemExit (one line) for a network this observation space cannot take. A
+    resumed state is restored into it by resume.restore."""
     from .learn import Learner
 
     try:
-        learner = Learner(cfg, spec, device)
+        return Learner(cfg, spec, device)
     except ValueError as e:  # a network this observation space cannot take (an LSTM on vectors, images too small)
         raise SystemExit(f"impala-async: {e}") from None
-    if resumed is None:
-        return learner
-    # How frames travel may change; the network may not.
-    if dataclasses.replace(TrajectorySpec.from_dict(resumed["spec"]), frame_stack=0) != dataclasses.replace(
-        spec, frame_stack=0
-    ):
-        raise SystemExit(
-            f"impala-async: the checkpoint's trajectory spec {resumed['spec']} differs from this run's "
-            f"{spec.to_dict()}: resume with the same --env and --unroll-length"
-        )
-    learner.load_state_dict(resumed["learner"])
-    log.info("resumed at %d env steps, policy version %d", learner.env_steps_trained, resumed["policy_version"])
-    return learner
 
 
 def run_info(cfg: LearnerConfig, spec, learner, env_backend: str) -> dict:
@@ -228,6 +220,8 @@ def run_info(cfg: LearnerConfig, spec, learner, env_backend: str) -> dict:
         "model": learner.model_config.to_dict(),
         "max_trajectories_per_message": cfg.limits.max_trajectories_per_message,
         "max_message_bytes": cfg.limits.max_message_bytes,
+        "max_episodes_per_message": cfg.limits.max_episodes_per_message,
+        "max_actor_id_bytes": cfg.limits.max_actor_id_bytes,
         "obs_codec": cfg.env.obs_codec,
         "jpeg_quality": cfg.env.jpeg_quality,
         "env_backend": env_backend,
