@@ -298,3 +298,48 @@ def test_the_logdir_and_the_checkpoints_are_private(tmp_path):
     assert stat.S_IMODE(os.stat(logdir).st_mode) == 0o700
     checkpoints = sorted(logdir.glob("checkpoint-*.pt"))
     assert checkpoints and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in checkpoints)
+
+
+# --------------------------------------------------------------------------- 9. the limits an actor must keep
+def test_actors_keep_the_episode_limit_the_learner_sends(tmp_path):
+    """run.max_episodes_per_message is sent, and the actor sends few enough trajectories per message that their
+    steps cannot end more episodes. One-step episodes, 4 environments of 10 steps, at most 20 episodes a message: 2
+    trajectories a message. Before: the limit was not sent, every 40-episode message was rejected and nothing
+    trained."""
+    logdir, log = tmp_path / "run", tmp_path / "train.log"
+    proc = cli(
+        "train",
+        "--env",
+        "impala_async.actors.envs:ImageBandit-v0",
+        "--num-actors",
+        "1",
+        "--envs-per-actor",
+        "4",
+        "--unroll-length",
+        "10",
+        "--batch-size",
+        "4",
+        "--max-episodes-per-message",
+        "20",
+        "--total-env-steps",
+        "800",
+        "--logdir",
+        str(logdir),
+        log=log,
+    )
+    try:
+        assert proc.wait(180) == 0, tail(log)
+    finally:
+        stop(proc)
+    last = read_metrics(logdir)[-1]
+    assert last["messages_rejected"] == 0 and last["env_steps_trained"] >= 800, last
+    assert last["episodes"] == last["env_steps"], last  # every step ended an episode, and each was counted
+
+
+def test_an_actor_id_longer_than_the_learners_limit_is_refused_in_one_line():
+    from impala_async.actors.runs import RunError, check_actor_id
+
+    check_actor_id({}, "h" * 64)  # a learner from before the key: the default, 64 bytes
+    check_actor_id({"max_actor_id_bytes": 8}, "host/1/a")
+    with pytest.raises(RunError, match="max_actor_id_bytes"):
+        check_actor_id({"max_actor_id_bytes": 8}, "host/12/a")

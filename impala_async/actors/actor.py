@@ -26,7 +26,7 @@ from ..core.address import port_offset
 from ..ops import exitcodes, zmtp
 from .acting import MAX_WEIGHTS_BYTES, Acting, Throttled, _receive_weights
 from .procs import Heartbeat, die_with_parent
-from .runs import RunError, build_run
+from .runs import RunError, build_run, check_actor_id
 
 log = logging.getLogger("impala_async.actors.actor")
 
@@ -139,6 +139,7 @@ def _act(
     if isinstance(first, int):
         return first
     try:
+        check_actor_id(first.run_info, actor_id)
         current = build_run(cfg, first, beat)
     except RunError as e:
         log.error("actor %d: cannot act in the learner's run: %s", cfg.index, e)

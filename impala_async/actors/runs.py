@@ -88,7 +88,7 @@ def build_run(cfg: ActorConfig, msg: wire.WeightsMessage, beat=None, envs: VecEn
     info, K = msg.run_info, cfg.options.envs_per_actor
     try:
         policy = _build_policy(msg, cfg.options.device)
-        per_message = _per_message(info, K)
+        per_message = _per_message(info, K, policy.spec.unroll_length)
         images, quality = _images(info, cfg.options.codec)
     except RunError:
         if envs is not None:
@@ -142,12 +142,25 @@ def _build_policy(msg: wire.WeightsMessage, device: str) -> Policy:
         raise RunError(f"cannot build the network of run.model {_short(model)}: {_one_line(e)}") from None
 
 
-def _per_message(info: dict, K: int) -> int:
-    """The learner's cap on trajectories per message (absent or 0: none, all K in one)."""
+def _per_message(info: dict, K: int, T: int) -> int:
+    """Trajectories per message: the learner's cap (absent or 0: none, all K in one), and few enough that the episodes
+    their T steps each can end stay within run.max_episodes_per_message (a message may claim no more)."""
     cap = info.get("max_trajectories_per_message", K)
     if type(cap) is not int or cap < 0:
         raise RunError(f"run.max_trajectories_per_message is {_short(cap)}, not an integer >= 0")
-    return cap or K
+    most = info.get("max_episodes_per_message", wire.WireLimits.max_episodes_per_message)
+    if type(most) is not int or most < T:
+        raise RunError(
+            f"run.max_episodes_per_message is {_short(most)}: one trajectory of {T} steps may end more episodes"
+        )
+    return min(cap or K, most // T)
+
+
+def check_actor_id(info: dict, actor_id: str) -> None:
+    """RunError unless ``actor_id`` fits the learner's run.max_actor_id_bytes (absent: the default, 64)."""
+    most = info.get("max_actor_id_bytes", wire.WireLimits.max_actor_id_bytes)
+    if type(most) is not int or len(actor_id.encode()) > most:
+        raise RunError(f"actor id {actor_id!r} is longer than run.max_actor_id_bytes {_short(most)}")
 
 
 def _images(info: dict, codec: str) -> tuple[str, int]:
