@@ -775,6 +775,7 @@ def own_figures(**over) -> dict:
         decoded_bytes=0,
         **{f"cut_{s}_{r}": 0 for s in ("trajectories", "weights") for r in ("max_connections", "unread_bytes")},
         **{f"cut_{s}_{r}": 0 for s in ("trajectories", "weights") for r in ("unread_bytes_total", "max_messages")},
+        **{f"cut_{s}_{r}": 0 for s in ("trajectories", "weights") for r in ("stalled", "held_weights")},
         **{f"rejected_{r}": 0 for r in wire.REJECT_REASONS},
     )
     base.update(over)

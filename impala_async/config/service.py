@@ -104,6 +104,24 @@ class Limits(Section):
         16,
         "close a weights connection that sends more subscription messages than this (an honest subscriber sends one)",
     )
+    max_subscriber_stall_s: float = opt(
+        10.0,
+        "close a weights connection that, with weights waiting for it, has not taken one whole weights message for "
+        "this long (a subscriber that reads nothing, or a trickle, keeps old weight versions in the learner's memory; "
+        "its ZMTP PINGs keep it clear of peer_timeout_s); a link slower than a weights message per this long is cut",
+    )
+    max_weights_held_bytes: int = opt(
+        256 << 20,
+        "most bytes of weights messages held for subscribers that have not taken them yet (one copy per version, "
+        "shared by the subscribers of that version; never less than 3 messages); while over it, the subscriber "
+        "that has taken nothing for longest is closed",
+    )
+    max_send_buffer_bytes_per_subscriber: int = opt(
+        256 << 10,
+        "ZMQ_SNDBUF of the weights socket: the kernel's send buffer per subscriber (Linux reserves twice this: what "
+        "a subscriber that reads nothing holds in the kernel); a subscriber then gets at most about twice this per "
+        "network round trip (0: the system's autotuning, up to net.ipv4.tcp_wmem's maximum, 4 MiB by default)",
+    )
 
     def check(self) -> None:
         super().check()
@@ -128,6 +146,16 @@ class Limits(Section):
             self.max_unread_bytes_total >= self.max_message_bytes,
             "max_unread_bytes_total must be >= max_message_bytes: no message could ever be received",
         )
+        need(
+            self.max_send_buffer_bytes_per_subscriber == 0 or self.max_send_buffer_bytes_per_subscriber >= 4096,
+            "max_send_buffer_bytes_per_subscriber must be 0 (the system's) or >= 4096: below, weights crawl",
+        )
+        need(
+            self.max_weights_held_bytes >= 1 << 20,
+            "max_weights_held_bytes must be >= 1048576 (1 MiB): below, subscribers would be closed as soon as a few "
+            "small weights messages wait for them",
+        )
+        finite_positive(self, "max_subscriber_stall_s")
         need(
             self.max_subscription_bytes >= 512,
             "max_subscription_bytes must be >= 512: a CurveZMQ handshake needs frames of about 300 bytes",

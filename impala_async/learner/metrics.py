@@ -75,6 +75,7 @@ COPIED = (
     "connections_trajectories",
     "connections_weights",
     "unread_bytes",
+    "weights_held_bytes",
     "weights_sends",
     "weights_resends",
     "subscriptions",

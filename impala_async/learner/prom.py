@@ -74,6 +74,7 @@ GAUGES = {
     "ring_bytes": ("ring_bytes", "size of the ring buffer"),
     "scratch_bytes": ("scratch_bytes", "size of the decode scratch area"),
     "unread_bytes": ("unread_bytes", "bytes trajectory connections made the learner hold unread at the last check"),
+    "weights_held_bytes": ("weights_held_bytes", "weights message bytes held for subscribers not done with them"),
     "difficulty": ("curriculum_difficulty", "the curriculum's value sent with the latest weights"),
     "actors_alive": ("actors_alive", "local actor processes running"),
 }

@@ -8,7 +8,15 @@ No asyncio: the server calls these methods from its event loop. Design:
 - ``ZMQ_MAXMSGSIZE = max_subscription_bytes`` on the socket: a subscription is a few bytes, a CurveZMQ handshake
   frame about 300; a larger frame closes the connection before it is buffered (also before authentication).
 - A :class:`~impala_async.learner.guard.ConnectionGuard` caps connections, unread bytes and subscription messages per
-  connection.
+  connection, and with :class:`~impala_async.learner.guard.Outbound` what subscribers leave untaken.
+- What a subscriber can make the learner hold is bounded three ways. In the kernel: ``ZMQ_SNDBUF =
+  max_send_buffer_bytes_per_subscriber``. In libzmq: ``SNDHWM`` messages queued, and the one being written, per
+  subscriber; each weights message is sent without a copy (``copy=False``) and tracked, so :meth:`held_bytes` knows
+  the bytes of every version libzmq still holds (one copy per version, shared by its subscribers). In time: the guard
+  cuts a subscriber that has taken no whole weights message for ``max_subscriber_stall_s`` while weights waited for
+  it, and, while :meth:`held_bytes` exceeds ``max_weights_held_bytes``, the one stalled longest. 1,000 subscribers
+  that read nothing (sending ZMTP PINGs, so that the heartbeats never closed them) pinned 2,940 MiB of old versions
+  for good before these bounds.
 - Re-sends are rate-limited: weights go out after updates (at most every ``publish_interval_s``), again every
   ``republish_interval_s``, and once more for subscribers that joined since the last send, at most every
   ``min_resend_interval_s`` (joins meanwhile share it). A peer that subscribes over and over gets an honest subscriber
@@ -17,15 +25,17 @@ No asyncio: the server calls these methods from its event loop. Design:
 
 from __future__ import annotations
 
+import collections
 import time
 
 import zmq
 
 from ..config.service import Limits, Network
 from ..ops import zmtp
-from .guard import ConnectionGuard, guard_source
+from .guard import ConnectionGuard, Outbound, guard_source
 
 SNDHWM_MESSAGES = 2  # weights queued per subscriber (only the newest matter; actors CONFLATE)
+HELD_PER_SUBSCRIBER_MESSAGES = SNDHWM_MESSAGES + 1  # and the one its connection is writing
 RCVHWM_MESSAGES = 16  # subscription messages queued per subscriber
 _SUBSCRIBE_ALL, _UNSUBSCRIBE_ALL = b"\x01", b"\x00"
 
@@ -44,8 +54,13 @@ class WeightsPublisher:
         s.setsockopt(zmq.HANDSHAKE_IVL, int(network.handshake_timeout_s * 1000))
         zmtp.heartbeats(s, network.peer_timeout_s)  # a peer gone without closing stops counting against the limits
         s.setsockopt(zmq.LINGER, 0)
+        if limits.max_send_buffer_bytes_per_subscriber:
+            s.setsockopt(zmq.SNDBUF, limits.max_send_buffer_bytes_per_subscriber)
         if secure is not None:
             secure(s)
+        self.latest: bytes | None = None
+        # (tracker, id of the bytes, size) per message sent, until libzmq has released it: what held_bytes() counts
+        self._held: collections.deque[tuple[zmq.MessageTracker, int, int]] = collections.deque()
         per_connection = max(64 << 10, (RCVHWM_MESSAGES + 2) * limits.max_subscription_bytes)
         self.guard = ConnectionGuard(
             "weights",
@@ -54,8 +69,14 @@ class WeightsPublisher:
             max_unread_bytes=per_connection,
             max_unread_bytes_total=per_connection * limits.max_connections,
             max_messages=limits.max_subscriptions_per_connection,
+            outbound=Outbound(
+                max_stall_s=limits.max_subscriber_stall_s,
+                max_held_bytes=limits.max_weights_held_bytes,
+                messages_per_subscriber=HELD_PER_SUBSCRIBER_MESSAGES,
+                message_bytes=lambda: len(self.latest) if self.latest is not None else 0,
+                held_bytes=self.held_bytes,
+            ),
         )
-        self.latest: bytes | None = None
         self.sends = 0  # weights messages sent (each goes to every subscriber)
         self.resends = 0  # of which re-sends of the same weights (new subscribers, periodic)
         self.subscriptions = 0
@@ -70,6 +91,7 @@ class WeightsPublisher:
             "weights_resends": self.resends,
             "subscriptions": self.subscriptions,
             "subscriptions_ignored": self.ignored_subscriptions,
+            "weights_held_bytes": self.held_bytes(),
             **self.guard.counters(),
         }
 
@@ -89,11 +111,23 @@ class WeightsPublisher:
         self._next_periodic = time.monotonic() + self.republish_interval_s
 
     def _send(self, data: bytes) -> None:
+        """To every subscriber, without a copy: libzmq holds ``data`` itself until the last subscriber's connection
+        has written it (or is closed); the tracker says when."""
         try:
-            self.sock.send(data, zmq.NOBLOCK)
-            self.sends += 1
+            tracker = self.sock.send(data, zmq.NOBLOCK, copy=False, track=True)
         except zmq.Again:
-            pass
+            return
+        self.sends += 1
+        held = self._held
+        while held and held[0][0].done:
+            held.popleft()
+        held.append((tracker, id(data), len(data)))
+
+    def held_bytes(self) -> int:
+        """Bytes of the weights messages libzmq holds now, each version counted once (a re-send shares the bytes of
+        the message it repeats; ``id`` is unique among live objects, and a message not yet released is alive)."""
+        self._held = collections.deque(entry for entry in self._held if not entry[0].done)
+        return sum({key: n for _, key, n in self._held}.values())
 
     def read_subscriptions(self) -> None:
         """Apply the subscription messages waiting on the socket."""
