@@ -79,9 +79,12 @@ def test_train_pong_end_to_end(tmp_path):
     except subprocess.TimeoutExpired:
         stop(proc)
         raise AssertionError(f"train did not finish within 180 s\n{tail(log, 80)}") from None
-    last = read_metrics(logdir)[-1]
+    rows = read_metrics(logdir)
+    last = rows[-1]
     assert last["env_steps_trained"] >= 400 and last["learner_steps"] >= 10
     assert last["trajectories_rejected"] == 0
-    assert last["loss_pg"] is not None and np.isfinite(last["grad_norm"])
+    # The final report may cover an interval with no update (its statistics are None by design).
+    trained = [r for r in rows if r["loss_pg"] is not None]
+    assert trained and all(np.isfinite(r["loss_pg"]) and np.isfinite(r["grad_norm"]) for r in trained)
     state = torch.load(checkpoint.list_checkpoints(logdir)[-1], weights_only=True)
     assert state["spec"]["frame_stack"] == 4, "Atari frames should travel one at a time (--frame-dedup 1)"
