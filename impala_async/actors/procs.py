@@ -81,7 +81,9 @@ class _Child:
     heartbeat_fd: int | None = None
     last_beat: float = 0.0
     beats: int = 0
-    restarts: int = 0
+    restarts: int = 0  # in all
+    failures: int = 0  # restarts in a row, each after less than stable_after_s of running: the backoff's exponent
+    started_at: float = 0.0  # monotonic time of the latest start
     restart_at: float = 0.0  # monotonic time of the next (re)start while proc is None
     exits: list = field(default_factory=list)
 
@@ -98,6 +100,7 @@ class ActorProcesses:
         heartbeat_timeout_s: float = 10.0,
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
+        stable_after_s: float = 30.0,
     ):
         self._argv = argv
         self._children = [_Child(i) for i in range(count)]
@@ -105,6 +108,7 @@ class ActorProcesses:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.stable_after_s = stable_after_s
         self.restarts_total = 0
         self.replaced_silent = 0
         self.gave_up: list[int] = []
@@ -113,7 +117,11 @@ class ActorProcesses:
     def with_options(cls, argv: Callable[[int, int], list[str]], count: int, options) -> ActorProcesses:
         """Supervise ``count`` actors as ``options`` (an ActorOptions) say: restarts, heartbeat timeout."""
         return cls(
-            argv, count, max_restarts=options.max_actor_restarts, heartbeat_timeout_s=options.heartbeat_timeout_s
+            argv,
+            count,
+            max_restarts=options.max_actor_restarts,
+            heartbeat_timeout_s=options.heartbeat_timeout_s,
+            stable_after_s=options.actor_stable_after_s,
         )
 
     def start(self) -> None:
@@ -136,7 +144,8 @@ class ActorProcesses:
         finally:
             os.close(write_fd)
         c.heartbeat_fd = read_fd
-        c.last_beat = time.monotonic() + STARTUP_GRACE_S  # the first beat may take a while
+        c.started_at = time.monotonic()
+        c.last_beat = c.started_at + STARTUP_GRACE_S  # the first beat may take a while
         c.beats = 0
 
     def _read_beats(self, c: _Child, now: float) -> None:
@@ -205,14 +214,19 @@ class ActorProcesses:
                 self._reaped(c, code, now)
             elif now >= c.restart_at:
                 c.restarts += 1
+                c.failures += 1
                 self.restarts_total += 1
                 self._spawn(c)
 
     def _reaped(self, c: _Child, code: int, now: float) -> None:
         """An actor exited: restart it with exponential backoff, but at once after RUN_CHANGED (a fresh process
         builds the restarted learner's run from scratch), and never after USAGE (it cannot act in this run or
-        lacks what it needs: restarting would fail the same way; it said why)."""
+        lacks what it needs: restarting would fail the same way; it said why). The backoff and max_restarts count
+        failures in a row: one that ran stable_after_s or longer starts the count over (a crash an hour is no crash
+        loop, and a long run must not end up waiting max_backoff_s after every exit, or give its actors up)."""
         c.exits.append(code)
+        if now - c.started_at >= self.stable_after_s:
+            c.failures = 0
         c.proc = None
         os.close(c.heartbeat_fd)
         c.heartbeat_fd = None
@@ -225,16 +239,22 @@ class ActorProcesses:
             self.gave_up.append(c.index)
             c.restart_at = float("inf")
             return
-        if code == exitcodes.RUN_CHANGED and c.restarts < self.max_restarts:
+        if code == exitcodes.RUN_CHANGED and c.failures < self.max_restarts:
             log.warning("actor %d exited with code %d (the learner's run changed): restarting it now", c.index, code)
             c.restart_at = now
             return
-        if c.restarts >= self.max_restarts:
-            log.error("actor %d exited with code %s; restarted %d times already, giving up", c.index, code, c.restarts)
+        if c.failures >= self.max_restarts:
+            log.error(
+                "actor %d exited with code %s; restarted %d times in a row already (each ran under %.0f s), giving up",
+                c.index,
+                code,
+                c.failures,
+                self.stable_after_s,
+            )
             self.gave_up.append(c.index)
             c.restart_at = float("inf")
             return
-        delay = min(self.max_backoff_s, self.backoff_s * 2**c.restarts)
+        delay = min(self.max_backoff_s, self.backoff_s * 2**c.failures)
         log.warning("actor %d exited with code %s; restarting in %.1f s", c.index, code, delay)
         c.restart_at = now + delay
 

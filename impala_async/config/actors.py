@@ -141,7 +141,16 @@ class ActorOptions(Section):
     )
     heartbeat_interval_s: float = opt(1.0, "actors report to their supervisor that they are alive this often")
     heartbeat_timeout_s: float = opt(10.0, "the supervisor replaces an actor silent (hung, stopped) for this long")
-    max_actor_restarts: int = opt(10, "restarts of one actor process before the supervisor gives it up")
+    max_actor_restarts: int = opt(
+        10,
+        "restarts in a row of one actor process (each after it ran under --actor-stable-after-s) before the "
+        "supervisor gives it up",
+    )
+    actor_stable_after_s: float = opt(
+        30.0,
+        "an actor process that ran this long before it exited is restarted after 1 s again, and its count toward "
+        "--max-actor-restarts starts over (shorter runs double the delay, up to 30 s)",
+    )
 
     def check(self) -> None:
         super().check()
@@ -152,7 +161,7 @@ class ActorOptions(Section):
             f"device (--actor-device) must be cpu or cuda[:N], got {self.device!r}",
         )
         need(self.connection_timeout_s >= 0, "connection_timeout_s must be >= 0 (0: TCP's own timeouts)")
-        positive(self, "max_wait_for_weights_s", "heartbeat_interval_s", "heartbeat_timeout_s")
+        positive(self, "max_wait_for_weights_s", "heartbeat_interval_s", "heartbeat_timeout_s", "actor_stable_after_s")
         need(
             self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s,
             "heartbeat_timeout_s must exceed twice heartbeat_interval_s, or healthy actors would be killed",

@@ -13,7 +13,7 @@ NO_WEIGHTS = 3  # actor: no weights within --max-wait-for-weights-s (nothing at 
 NO_DATA = 4  # learner: no trajectory within --actor-start-timeout-s, or for --no-data-timeout-s once data flowed
 REFUSED = 5  # actor: the learner refused this actor's CURVE key (it is not in the learner's allowed/)
 RANK_FAILED = 6  # learner: a learner rank died, failed or hung (README, Several learner ranks)
-ACTORS_FAILED = 7  # learner: every local actor failed more than --max-actor-restarts times
+ACTORS_FAILED = 7  # learner: every local actor failed more than --max-actor-restarts times in a row
 NO_CHECKPOINT = 8  # learner: the final checkpoint could not be written
 RUN_CHANGED = 9  # actor: a restarted learner runs something this actor cannot act in (docs/protocol.md)
 FORCED = 130  # a second Ctrl-C, or a shutdown longer than --shutdown-timeout-s
@@ -26,7 +26,7 @@ TABLE = (
     (NO_DATA, "learner: no trajectory within --actor-start-timeout-s, or for --no-data-timeout-s"),
     (REFUSED, "actor: the learner refused this actor's CURVE key (not in its allowed/)"),
     (RANK_FAILED, "learner: a learner rank died, failed or hung"),
-    (ACTORS_FAILED, "learner: every local actor failed more than --max-actor-restarts times"),
+    (ACTORS_FAILED, "learner: every local actor failed more than --max-actor-restarts times in a row"),
     (NO_CHECKPOINT, "learner: the final checkpoint could not be written"),
     (RUN_CHANGED, "actor: a restarted learner runs something this actor cannot act in"),
     (FORCED, "forced exit: a second Ctrl-C, or a shutdown longer than --shutdown-timeout-s"),
