@@ -7,10 +7,18 @@ measures an older checkout: run it from that checkout's directory (`python -m im
 the working directory) with this file and tests/attacks.py copied in.
 
     python tools/attack_figures.py                 # about 3 minutes
+
+Issue 15's attacks (tests/attacks_control.py, attacks_health.py, attacks_outbound.py, attacks_checkpoints.py,
+attacks_ranks.py) start the learner of any checkout themselves: run them from this checkout, naming the one to measure
+(``python -m impala_async`` takes the package from the directory it runs in), one JSON object per attack:
+
+    python tools/attack_figures.py --issue15                           # this checkout, about 15 minutes
+    python tools/attack_figures.py --issue15 --checkout /tmp/before    # e.g. git archive d6c3855 unpacked there
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import subprocess
@@ -267,7 +275,54 @@ def descriptors(tmp: Path, ctx) -> dict:
         run.close()
 
 
+def issue15(checkout: str | None, only: list[str]) -> int:
+    """Every issue-15 attack against a fresh learner of ``checkout`` (None: this one); one JSON line each."""
+    import attacks_checkpoints
+    import attacks_control
+    import attacks_health
+    import attacks_outbound
+    import attacks_ranks
+
+    tmp = Path(tempfile.mkdtemp(prefix="attack-figures-15-"))
+    python, cwd = sys.executable, checkout
+    runs = {
+        f"2-8:{k}": lambda k=k: attacks_control.run_attack(k, python=python, cwd=cwd) for k in attacks_control.KINDS
+    }
+    runs["1:health"] = lambda: attacks_health.measure(python, cwd)
+    runs.update(
+        {f"3-4:{k}": lambda k=k: attacks_outbound.run_attack(k, python=python, cwd=cwd) for k in ("idle", "credit")}
+    )
+    runs["5:checkpoints"] = lambda: attacks_checkpoints.all_figures(tmp / "checkpoints", pythonpath=checkout or "")
+    runs.update({f"6:{k}": lambda k=k: attacks_ranks.run_attack(k, python=python, cwd=cwd) for k in ("stop", "beat")})
+    for name, run in runs.items():
+        if only and not any(name.endswith(o) or name.startswith(o) for o in only):
+            continue
+        t0 = time.monotonic()
+        try:
+            got = run()
+        except Exception as e:  # a checkout that lacks what an attack needs: say so, go on
+            got = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        print(
+            json.dumps(
+                {"attack": name, "checkout": checkout or "this", "s": round(time.monotonic() - t0), "figures": got}
+            ),
+            flush=True,
+        )
+    return 0
+
+
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--issue15", action="store_true", help="issue 15's attacks instead (see above)")
+    p.add_argument("--checkout", default=None, help="--issue15: the checkout to measure (default: this one)")
+    p.add_argument("--only", nargs="*", default=[], help="--issue15: attacks whose name starts or ends so")
+    args = p.parse_args()
+    if args.issue15:
+        return issue15(args.checkout, args.only)
+    return classic()
+
+
+def classic() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="attack-figures-"))
     ctx = zmq.Context()
     out = {

@@ -9,12 +9,20 @@ Runs `impala-async train --env CartPole-v1` with local actors for --seconds whil
   - an attacker cycles through the heavier attacks of tests/attacks.py, one every --attack-every-s: a 4 MiB message
     of a million objects, unfinished multipart messages (200 MiB offered), a 2 GiB frame on the weights socket,
     20K distinct subscriptions, 300 connections that never handshake (held 5 s), and 20 re-subscriptions a second;
+    then issue 15's (tests/attacks_control.py, soak_steps): valid messages from fresh actor ids, one 256-trajectory
+    message, messages claiming 4,096 episodes, messages of another learner run claiming drops, 100 weights
+    subscribers that read nothing, 200K empty messages followed by an unfinished 200 MiB one, and 200 idle
+    connections on the metrics port while /healthz is probed;
   - an honest subscriber counts the weights copies it receives (amplification).
+Before any of it, the honest actors' unattacked rate (trajectories received a second) is taken over --baseline-s.
 It samples the learner's resident memory every second. At the end it stops the learner with SIGTERM and checks:
 exit code 0, training progressed (learner steps grew in every quarter of the run), the newest checkpoint passes the
 checks resume applies (layout, finite weights), memory stayed flat after warm-up (the median RSS of the last minute is
-within --max-rss-growth-mib of the median of the minute after warm-up), and the honest subscriber got at most
---max-copies-per-s weights copies a second.
+within --max-rss-growth-mib of the median of the minute after warm-up), the honest subscriber got at most
+--max-copies-per-s weights copies a second, the honest actors kept --min-honest-fraction of their unattacked rate
+(what the attacker got accepted is subtracted), every /healthz probe was answered 200, every stalled subscriber and
+every credit-bypass connection was cut, and a resume meeting a crafted FIFO and a stride-0 tensor as the two newest
+checkpoints sets both aside and loads the good one before them.
 
     python tools/soak.py --seconds 600 --json
 """
@@ -44,8 +52,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import attacks  # noqa: E402  (tests/attacks.py: the same attacks as tests/test_robustness.py)
+import attacks_checkpoints  # noqa: E402
+import attacks_control  # noqa: E402  (issue 15's: tests/test_misleading.py, test_outbound_attacks.py, ...)
+import attacks_health  # noqa: E402
 
-from impala_async import checkpoint  # noqa: E402
+from impala_async.learner import checkpoint  # noqa: E402
 from impala_async.learner.metrics import read_metrics  # noqa: E402
 
 
@@ -117,8 +128,11 @@ def garbage_sender(listen: str, weights: str, rate_per_s: float, stop: threading
     ctx.term()
 
 
-def attacker(listen: str, weights: str, every_s: float, stop: threading.Event, done: list) -> None:
-    """The heavier attacks, one every every_s, in turn."""
+def attacker(
+    listen: str, weights: str, metrics_port: int, every_s: float, stop: threading.Event, done: list, seen: dict
+) -> None:
+    """The heavier attacks, one every every_s, in turn: tests/attacks.py's, then issue 15's (tests/attacks_control.py,
+    soak_steps)."""
     ctx = zmq.Context()
     host, port = listen[len("tcp://") :].rsplit(":", 1)
     port = int(port)
@@ -143,6 +157,7 @@ def attacker(listen: str, weights: str, every_s: float, stop: threading.Event, d
         ("subscriptions", subscriptions),
         ("connection_flood", flood),
         ("resubscribe", lambda: attacks.resubscribe_flood(ctx, weights, 20, 5.0)),
+        *attacks_control.soak_steps(ctx, listen, weights, metrics_port, stop, seen),
     ]
     i = 0
     while not stop.wait(every_s):
@@ -154,13 +169,46 @@ def attacker(listen: str, weights: str, every_s: float, stop: threading.Event, d
             done.append(f"{name}: {type(e).__name__}")
         i += 1
     pusher.close(0)
-    ctx.term()
+    ctx.destroy(linger=0)
+
+
+def unattacked_rate(logdir: Path, seconds: float, learner: subprocess.Popen) -> float:
+    """Trajectories received per second over ``seconds`` from the first report, before any attack or chaos."""
+    deadline = time.monotonic() + 300
+    while not (logdir / "metrics.jsonl").exists() or not read_metrics(logdir / "metrics.jsonl"):
+        if learner.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"soak: the learner reported nothing; see {logdir}/train.log")
+        time.sleep(0.5)
+    first = read_metrics(logdir / "metrics.jsonl")[-1]
+    time.sleep(seconds)
+    last = read_metrics(logdir / "metrics.jsonl")[-1]
+    return (last["trajectories_received"] - first["trajectories_received"]) / max(
+        1e-9, last["wall_s"] - first["wall_s"]
+    )
+
+
+def hostile_checkpoints(logdir: Path) -> dict:
+    """Issue 15, class 5, on the soak's own checkpoints after the run: a stride-0 tensor and a FIFO written as the two
+    newest; what a resume loads (checkpoint.load_latest as learner/resume.py calls it) must be the good one before
+    them, with both set aside."""
+    good, _ = attacks_checkpoints.newest_good(logdir)
+    crafted = attacks_checkpoints.stack_crafts(logdir, ("fifo", "stride0"))
+    found = checkpoint.load_latest(logdir, validate=checkpoint.validate_learner_state, quarantine=True)
+    set_aside = sorted(p.name for p in logdir.glob("*.bad"))
+    return {
+        "crafted": sorted(p.name for p in crafted.values()),
+        "loaded": found[1].name if found else None,
+        "set_aside": set_aside,
+        "resumed_from_good": found is not None and found[1] == good and len(set_aside) == len(crafted),
+    }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=600)
     p.add_argument("--warmup-s", type=float, default=60)
+    p.add_argument("--baseline-s", type=float, default=30, help="unattacked seconds, after the first report")
+    p.add_argument("--min-honest-fraction", type=float, default=0.5, help="of the unattacked rate, under attack")
     p.add_argument("--kill-every-s", type=float, default=20)
     p.add_argument("--garbage-per-s", type=float, default=50)
     p.add_argument("--attack-every-s", type=float, default=10)
@@ -176,6 +224,7 @@ def main() -> int:
     a = p.parse_args()
 
     logdir = Path(tempfile.mkdtemp(prefix="soak-"))
+    metrics_port = attacks_health._free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -203,17 +252,22 @@ def main() -> int:
         "1",
         "--max-policy-lag",
         "1000",
+        "--metrics-port",
+        str(metrics_port),
     ]
     log = open(logdir / "train.log", "w")
     learner = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
     line = learner.stdout.readline()
     listen, weights = line.split("--learner ")[1].split(" --weights ")
     weights = weights.strip()
+    baseline = unattacked_rate(logdir, a.baseline_s, learner)
     stop = threading.Event()
-    sent, done = [0], []
+    sent, done, seen = [0], [], {}
     threads = [
         threading.Thread(target=garbage_sender, args=(listen, weights, a.garbage_per_s, stop, sent), daemon=True),
-        threading.Thread(target=attacker, args=(listen, weights, a.attack_every_s, stop, done), daemon=True),
+        threading.Thread(
+            target=attacker, args=(listen, weights, metrics_port, a.attack_every_s, stop, done, seen), daemon=True
+        ),
     ]
     for t in threads:
         t.start()
@@ -260,6 +314,14 @@ def main() -> int:
             code = "timeout"
         ctx.term()
     rows = read_metrics(logdir / "metrics.jsonl")
+    attacked = [r for r in rows if r["wall_s"] >= rows[0]["wall_s"] + a.baseline_s] if rows else []
+    honest_rate = (
+        (attacked[-1]["trajectories_received"] - attacked[0]["trajectories_received"] - seen.get("accepted", 0))
+        / max(1e-9, attacked[-1]["wall_s"] - attacked[0]["wall_s"])
+        if len(attacked) >= 2
+        else None
+    )
+    hostile = hostile_checkpoints(logdir)
     quarters = [[r for r in rows if q * a.seconds / 4 <= r["wall_s"] < (q + 1) * a.seconds / 4] for q in range(4)]
     progressed = all(len(q) >= 2 and q[-1]["learner_steps"] > q[0]["learner_steps"] for q in quarters)
     found = checkpoint.load_latest(logdir, validate=checkpoint.validate_learner_state)
@@ -284,6 +346,10 @@ def main() -> int:
         "rss_max_mib": round(max(m for _, m in rss), 1) if rss else None,
         "loop_lag_p99_ms_max": max(lags) if lags else None,
         "honest_copies_per_s": round(copies_per_s, 2) if copies_per_s is not None else None,
+        "honest_trajectories_per_s_unattacked": round(baseline, 1),
+        "honest_trajectories_per_s_attacked": round(honest_rate, 1) if honest_rate is not None else None,
+        "issue15": {k: v for k, v in seen.items() if k != "accepted"},
+        "hostile_checkpoints": hostile,
         "garbage_sent": sent[0],
         "attacks": {name: done.count(name) for name in sorted(set(done))},
         "messages_rejected": final.get("messages_rejected"),
@@ -307,6 +373,13 @@ def main() -> int:
         and growth < a.max_rss_growth_mib
         and copies_per_s is not None
         and copies_per_s <= a.max_copies_per_s
+        and honest_rate is not None
+        and honest_rate >= a.min_honest_fraction * baseline
+        and hostile["resumed_from_good"]
+        and all(seen.get(k) for k in ("health_probes", "credit_bypass_cut", "idle_subscribers_cut"))  # each ran
+        and all(ok == n for ok, n in seen.get("health_probes", []))
+        and all(seen.get("credit_bypass_cut", []))
+        and all(cut == n for cut, n in seen.get("idle_subscribers_cut", []))
     )
     result["ok"] = ok
     print(json.dumps(result) if a.json else json.dumps(result, indent=1))
