@@ -3,6 +3,8 @@
 The bf16 checks run on the CPU (torch's CPU autocast supports bf16), which exercises the same code as on a GPU.
 """
 
+import io
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -134,3 +136,47 @@ def test_entropy_cost_anneals_linearly_when_asked():
     batch = _batch(spec)
     a.step(batch), b.step(batch)
     assert any(not torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "rmsprop"])
+def test_the_fused_update_computes_what_the_per_parameter_one_does(optimizer):
+    """Adam runs fused and RMSprop foreach on the CPU (learn.py, Learner.switches): five updates move every weight as
+    torch's per-parameter loop, the ground truth, moves it (to float rounding)."""
+    spec = _spec("CartPole-v1")
+    fast = _learner(spec, optimizer=optimizer)
+    assert fast.optimizer.param_groups[0]["fused" if optimizer == "adam" else "foreach"] is True
+    plain = _learner(spec, optimizer=optimizer)
+    plain.optimizer = type(plain.optimizer)(
+        plain.model.parameters(), **{k: v for k, v in fast.optimizer.defaults.items() if k not in ("fused", "foreach")}
+    )
+    for i in range(5):
+        batch = {k: torch.from_numpy(v) for k, v in random_arrays(spec, 8, seed=i).items()}
+        fast.step(batch)
+        plain.step(batch)
+    for a, b in zip(fast.model.parameters(), plain.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_of_the_unfused_optimizer_resumes_fused():
+    """Checkpoints written before the optimizer ran fused hold fused = foreach = None: they pass resume's checks, and
+    the resumed optimizer runs fused with the saved moments (the next update equals the saving learner's)."""
+    from impala_async.learner.statecheck import optimizer_fits
+
+    spec = _spec("CartPole-v1")
+    cfg = LearnerConfig.of()
+    old = _learner(spec)
+    batch = {k: torch.from_numpy(v) for k, v in random_arrays(spec, 8, seed=1).items()}
+    old.step(batch)
+    saved = io.BytesIO()
+    torch.save(old.state_dict(), saved)  # a checkpoint's copy, not the live tensors
+    state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+    for g in state["optimizer"]["param_groups"]:
+        g["fused"] = g["foreach"] = None  # as an older learner saved it
+    optimizer_fits(state["optimizer"], cfg, spec)
+    resumed = _learner(spec)
+    resumed.load_state_dict(state)
+    assert resumed.optimizer.param_groups[0]["fused"] is True
+    old.step(batch)
+    resumed.step(batch)
+    for a, b in zip(old.model.parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

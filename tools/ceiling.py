@@ -22,6 +22,7 @@ speed drifts; both are printed, the share is of their mean). Nothing else should
 
     python tools/ceiling.py -- --env MinAtar/Breakout-v1 --batch-size 8 --ring-batches 16
     python tools/ceiling.py --train-s 60 --json -- --env ALE/Pong-v5
+    python tools/ceiling.py --checkout /tmp/before --train-s 60 -- ...   # another checkout's package, same method
 """
 
 from __future__ import annotations
@@ -167,11 +168,19 @@ def child(cpu: int, train_flags: list[str], min_s: float) -> dict:
     return out
 
 
-def measure(train_flags: list[str], cores: int, min_s: float) -> dict:
+def package(checkout: str | None) -> tuple[Path, dict]:
+    """(working directory, environment) of a process that runs ``checkout``'s package (None: this one's)."""
+    if checkout is None:
+        return ROOT, dict(os.environ)
+    return Path(checkout), dict(os.environ, PYTHONPATH=str(Path(checkout).resolve()))
+
+
+def measure(train_flags: list[str], cores: int, min_s: float, checkout: str | None = None) -> dict:
     """One ceiling measurement, in a fresh process pinned to the last allowed CPU."""
     cpu = max(os.sched_getaffinity(0))
     cmd = [sys.executable, __file__, "--child", str(cpu), "--min-s", str(min_s), "--", *train_flags]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    cwd, env = package(checkout)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=cwd, env=env)
     if out.returncode:
         raise SystemExit(f"ceiling: the measuring process failed:\n{out.stderr[-3000:]}")
     parts = json.loads(out.stdout.strip().splitlines()[-1])
@@ -184,15 +193,16 @@ def measure(train_flags: list[str], cores: int, min_s: float) -> dict:
     return parts
 
 
-def run_train(train_flags: list[str], warmup_s: float, seconds: float) -> dict:
+def run_train(train_flags: list[str], warmup_s: float, seconds: float, checkout: str | None = None) -> dict:
     """The real `train` for warmup_s + seconds: its trained agent steps a second over the last ``seconds``."""
     from impala_async.learner.metrics import read_metrics
 
     logdir = Path(tempfile.mkdtemp(prefix="ceiling-train-"))
     cmd = [sys.executable, "-m", "impala_async", "train", *train_flags]
     cmd += ["--total-env-steps", str(10**13), "--logdir", str(logdir), "--report-interval-s", "1"]
+    cwd, env = package(checkout)
     with open(logdir / "train.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=cwd, env=env)
         try:
             deadline = time.monotonic() + 300
             metrics = logdir / "metrics.jsonl"
@@ -231,16 +241,17 @@ def main() -> int:
     p.add_argument("--min-s", type=float, default=3.0, help="seconds each part is timed, at least")
     p.add_argument("--train-s", type=float, default=0.0, help="also run train this long and print its share")
     p.add_argument("--warmup-s", type=float, default=20.0, help="train's seconds left out, after its first report")
+    p.add_argument("--checkout", default=None, help="measure this checkout's package (e.g. git archive REV, unpacked)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child is not None:
         print(json.dumps(child(a.child, a.train_flags, a.min_s)))
         return 0
-    result = {"ceiling_before": measure(a.train_flags, a.cores, a.min_s)}
+    result = {"checkout": a.checkout or "this", "ceiling_before": measure(a.train_flags, a.cores, a.min_s, a.checkout)}
     if a.train_s > 0:
-        result["train"] = run_train(a.train_flags, a.warmup_s, a.train_s)
-        result["ceiling_after"] = measure(a.train_flags, a.cores, a.min_s)
+        result["train"] = run_train(a.train_flags, a.warmup_s, a.train_s, a.checkout)
+        result["ceiling_after"] = measure(a.train_flags, a.cores, a.min_s, a.checkout)
         ceilings = [result[k]["ceiling_agent_steps_per_s"] for k in ("ceiling_before", "ceiling_after")]
         result["share"] = round(result["train"]["trained_agent_steps_per_s"] / (sum(ceilings) / 2), 3)
     print(json.dumps(result) if a.json else json.dumps(result, indent=1))

@@ -20,6 +20,8 @@ from . import loss
 from .histograms import RHO_BIN_EDGES
 
 STAT_NAMES = ("loss_pg", "loss_baseline", "entropy", "rho_mean", "rho_clipped_frac", "rho_far_frac")
+FUSED_DEVICES = ("cpu", "cuda")  # where torch.optim has Adam's fused kernel and RMSprop's foreach
+SWITCH_KEYS = ("foreach", "fused")  # an optimizer parameter group's switches: how it runs, not what it computes
 
 
 class CollectiveError(RuntimeError):
@@ -85,10 +87,24 @@ class Learner:
     def _optimizer(self) -> torch.optim.Optimizer:
         hp, params = self.hp, self.model.parameters()
         if hp.optimizer == "adam":
-            return torch.optim.Adam(params, lr=hp.learning_rate, eps=hp.adam_eps)
+            return torch.optim.Adam(params, lr=hp.learning_rate, eps=hp.adam_eps, **self.switches)
         return torch.optim.RMSprop(
-            params, lr=hp.learning_rate, alpha=hp.rmsprop_alpha, eps=hp.rmsprop_eps, momentum=hp.rmsprop_momentum
+            params,
+            lr=hp.learning_rate,
+            alpha=hp.rmsprop_alpha,
+            eps=hp.rmsprop_eps,
+            momentum=hp.rmsprop_momentum,
+            **self.switches,
         )
+
+    @property
+    def switches(self) -> dict:
+        """How the optimizer runs, not what it computes: Adam as one fused kernel over all parameters, RMSprop over
+        them all at once (foreach), where the device has them. A small network's update spent a fifth of its time
+        in the per-parameter loop of the default (MinAtar on a CPU core: 37.7 -> 30.5 us per agent step)."""
+        if self.device.type not in FUSED_DEVICES:
+            return {}
+        return {"fused": True} if self.hp.optimizer == "adam" else {"foreach": True}
 
     def distribute(self, device_ids=None) -> None:
         """Train in lock step with the other learner ranks of the default process group: gradients are averaged over
@@ -200,6 +216,8 @@ class Learner:
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        saved = state["optimizer"]  # its groups' switches are those of the learner that saved it: ours apply
+        groups = [{**g, **dict.fromkeys(SWITCH_KEYS), **self.switches} for g in saved["param_groups"]]
+        self.optimizer.load_state_dict({**saved, "param_groups": groups})
         self.env_steps_trained = int(state["env_steps_trained"])
         self.updates = int(state["updates"])

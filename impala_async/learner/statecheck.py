@@ -19,7 +19,7 @@ from ..config import INDEX, LearnerConfig, from_flat, layers
 from ..core.finite import nonfinite
 from ..core.models import build_model
 from ..core.spec import TrajectorySpec
-from .learn import Learner, model_config
+from .learn import SWITCH_KEYS, Learner, model_config
 
 MAX_COUNT = 1 << 63  # counters stay below: they travel as int64
 # key -> accepted type of a learner checkpoint (checkpoint.learner_state); "config_layers" is optional (older ones).
@@ -219,8 +219,9 @@ def optimizer_fits(saved: dict, cfg: LearnerConfig, spec: TrajectorySpec) -> Non
 
 
 def param_group(group, want: dict) -> None:
-    """One parameter group, against the one this torch builds for the network: its parameters the same, each switch
-    (None or bool: foreach, fused, amsgrad, maximize...) the same, each number (lr, eps, betas...) finite and >= 0.
+    """One parameter group, against the one this torch builds for the network: its parameters the same, each flag
+    (None or bool: amsgrad, maximize...) the same, foreach and fused None or a bool (how the saving learner ran the
+    update: the loading one applies its own), each number (lr, eps, betas...) finite and >= 0.
     Keys this torch does not know are left to it (a newer torch's); keys missing take torch's defaults."""
     if not isinstance(group, dict):
         raise ValueError("an optimizer parameter group must be a map")
@@ -228,7 +229,9 @@ def param_group(group, want: dict) -> None:
         if key not in group:
             continue
         got = group[key]
-        if key == "params" or expected is None or type(expected) is bool:
+        if key in SWITCH_KEYS:  # how the saving learner ran its optimizer: the loading one sets its own
+            ok = got is None or type(got) is bool
+        elif key == "params" or expected is None or type(expected) is bool:
             ok = got == expected and type(got) is type(expected)
         elif isinstance(expected, tuple):
             ok = isinstance(got, tuple) and len(got) == len(expected) and all(_nonnegative(x) for x in got)
