@@ -36,6 +36,9 @@ def env_module(env_id: str) -> str:
     return module if sep else ""
 
 
+IMAGE_THREADS_MIN_VALUES = 4096  # observations of this many values or more take 2 learner threads by default
+
+
 @dataclass(frozen=True)
 class Run(Section):
     """The run: where it trains, for how long, and where its files go."""
@@ -51,6 +54,12 @@ class Run(Section):
     seed: int = opt(0, "random seed of the learner; actor i seeds its environments from seed, i and env index")
     logdir: str = opt("", "directory for metrics.jsonl, config.json and checkpoints (default: runs/<env>-<UTC time>)")
     device: str = opt("auto", "where the learner trains: auto (cuda if available), cpu or cuda[:N]")
+    learner_threads: int = opt(
+        0,
+        "torch threads of the learner's update on a CPU; 0: 2 (if the machine has them) for image observations of "
+        f"{IMAGE_THREADS_MIN_VALUES} values or more, where a convolutional update gains from a second thread, else 1, "
+        "where a small network's update loses",
+    )
     total_env_steps: int = opt(1_000_000, "stop after training on this many environment steps")
     ingest_only: int = opt(
         0, "1: decode into the ring and release batches without training (load tests)", choices=(0, 1)
@@ -69,6 +78,7 @@ class Run(Section):
             f"device must be auto, cpu or cuda[:N], got {self.device!r}",
         )
         need(self.total_env_steps > 0, "total_env_steps must be > 0: the run would end before it starts")
+        need(self.learner_threads >= 0, f"learner_threads must be >= 0 (0: chosen), got {self.learner_threads}")
         positive(self, "shutdown_timeout_s", "actor_start_timeout_s", "no_data_timeout_s")
 
 

@@ -104,6 +104,22 @@ def probe_environment(cfg: LearnerConfig):
     return spec, Probe(image_max=image_max, trajectory_nbytes=spec.trajectory_nbytes), backend
 
 
+def learner_threads(asked: int, spec) -> int:
+    """Torch threads for the update on a CPU: ``asked``, or for 0 two (where the machine has them) with image
+    observations of IMAGE_THREADS_MIN_VALUES values or more and one otherwise. Measured on 2 cores (BENCHMARKS.md
+    section 13): Pong's Nature-CNN update with a second thread, 1,012 -> 1,075 trained steps/s while the actor kept
+    its core's rest; MinAtar's small network, 20,900 -> 17,500 (its operations are too small to split)."""
+    if asked:
+        return asked
+    import math
+    import os
+
+    from ..config.sections import IMAGE_THREADS_MIN_VALUES
+
+    images = spec.obs_dtype == "uint8" and math.prod(spec.obs_shape) >= IMAGE_THREADS_MIN_VALUES
+    return min(2, len(os.sched_getaffinity(0))) if images else 1
+
+
 def resolve_device(name: str, flag: str = "--device"):
     import torch
 
@@ -140,8 +156,6 @@ def run(
     device = resolve_device(cfg.run.device)
     torch.manual_seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # the actors need the other cores more than a small network needs threads
     if group is None:
         spec, probe, env_backend = probe_environment(cfg)
         layered = resolve(layered, default_listen=default_listen, probe=probe)
@@ -154,6 +168,9 @@ def run(
             resumed,
             list(argv),
         )
+    if device.type == "cpu":
+        torch.set_num_threads(learner_threads(cfg.run.learner_threads, spec))
+        log.info("learner: the update runs on %d torch thread(s) (--learner-threads)", torch.get_num_threads())
     layered = fit_connections(layered, cfg.local_actors if group is None or group.rank == 0 else 0)
     cfg = layered.cfg
     if group is not None:
