@@ -157,25 +157,27 @@ def test_the_fused_update_computes_what_the_per_parameter_one_does(optimizer):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_checkpoint_of_the_unfused_optimizer_resumes_fused():
-    """Checkpoints written before the optimizer ran fused hold fused = foreach = None: they pass resume's checks, and
+@pytest.mark.parametrize("optimizer,switch", [("adam", "fused"), ("rmsprop", "foreach")])
+def test_a_checkpoint_of_the_unfused_optimizer_resumes_fused(optimizer, switch):
+    """Checkpoints written before the optimizer ran fused (or foreach) hold None there: they pass resume's checks, and
     the resumed optimizer runs fused with the saved moments (the next update equals the saving learner's)."""
     from impala_async.learner.statecheck import optimizer_fits
 
     spec = _spec("CartPole-v1")
-    cfg = LearnerConfig.of()
-    old = _learner(spec)
+    cfg = LearnerConfig.of(optimizer=optimizer)
+    old = _learner(spec, optimizer=optimizer)
     batch = {k: torch.from_numpy(v) for k, v in random_arrays(spec, 8, seed=1).items()}
     old.step(batch)
     saved = io.BytesIO()
     torch.save(old.state_dict(), saved)  # a checkpoint's copy, not the live tensors
     state = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
     for g in state["optimizer"]["param_groups"]:
-        g["fused"] = g["foreach"] = None  # as an older learner saved it
+        g[switch] = None  # as an older learner saved it
     optimizer_fits(state["optimizer"], cfg, spec)
-    resumed = _learner(spec)
+    resumed = _learner(spec, optimizer=optimizer)
     resumed.load_state_dict(state)
-    assert resumed.optimizer.param_groups[0]["fused"] is True
+    assert resumed.optimizer.param_groups[0][switch] is True
+    assert set(resumed.optimizer.param_groups[0]) == set(old.optimizer.param_groups[0]), "no key added"
     old.step(batch)
     resumed.step(batch)
     for a, b in zip(old.model.parameters(), resumed.model.parameters(), strict=True):

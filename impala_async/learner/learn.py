@@ -217,7 +217,8 @@ class Learner:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         saved = state["optimizer"]  # its groups' switches are those of the learner that saved it: ours apply
-        groups = [{**g, **dict.fromkeys(SWITCH_KEYS), **self.switches} for g in saved["param_groups"]]
+        ours = {k: v for k, v in self.optimizer.defaults.items() if k in SWITCH_KEYS}
+        groups = [{**g, **ours} for g in saved["param_groups"]]
         self.optimizer.load_state_dict({**saved, "param_groups": groups})
         self.env_steps_trained = int(state["env_steps_trained"])
         self.updates = int(state["updates"])
