@@ -126,6 +126,15 @@ def tree_message(key: str, total_bytes: int) -> bytes:
     return b"\x81" + msgpack.packb(key) + nested_tree(total_bytes - 2 - len(key))
 
 
+def push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A PUSH socket to ``endpoint`` that drops what it holds at close and gives up a send after 10 s."""
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDTIMEO, 10_000)
+    s.connect(endpoint)
+    return s
+
+
 class LearnerView:
     """The learner's spec, policy version and incarnation, from its weights socket."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import zmq
-from attacks import LearnerView, message
+from attacks import LearnerView, message, push
 from helpers import random_arrays
 from procutil import free_port_pair, read_metrics, stop
 
@@ -70,14 +70,6 @@ class Target:
         if self.actor is not None:
             stop(self.actor)
         stop(self.proc)
-
-
-def push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    s = ctx.socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDTIMEO, 10_000)
-    s.connect(endpoint)
-    return s
 
 
 def message_of(view: LearnerView, n: int, *, actor: str, seq: int, seed: int = 0, image_codec: str = "lz4") -> bytes:

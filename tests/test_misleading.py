@@ -18,7 +18,7 @@ import time
 import msgpack
 import pytest
 import zmq
-from attacks import LearnerView, message
+from attacks import LearnerView, message, push
 from helpers import random_arrays
 from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
 
@@ -102,14 +102,6 @@ def learner(tmp_path_factory, ctx):
         if hasattr(run, "view"):
             run.view.close()
         run.close()
-
-
-def push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    s = ctx.socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDTIMEO, 10_000)
-    s.connect(endpoint)
-    return s
 
 
 # ------------------------------------------------------------------------------------- 2. figures, not claims

@@ -30,6 +30,7 @@ from attacks import (
     message,
     oversized_frame,
     poisoned,
+    push,
     resubscribe_flood,
     subscription_flood,
     tree_message,
@@ -136,14 +137,6 @@ def plain(tmp_path_factory, ctx):
         if hasattr(learner, "view"):
             learner.view.close()
         learner.close()
-
-
-def push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    s = ctx.socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDTIMEO, 10_000)
-    s.connect(endpoint)
-    return s
 
 
 # ------------------------------------------- 2. every socket bounded (memory first: freed memory is retained)
