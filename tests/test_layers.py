@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 
 import pytest
@@ -61,7 +62,7 @@ def test_a_file_and_the_flags_typed_beside_it(tmp_path):
         "wait",
     )
     assert layered.layer("batch_size") == "flag" and layered.layer("ring_batches") == f"file:{path}"
-    assert layered.layer("learning_rate") == "default"
+    assert layered.layer("learning_rate") == "preset:minatar" and layered.layer("discount") == "default"
     yaml_path = tmp_path / "run.yaml"
     yaml_path.write_text("loss:\n  entropy_cost: 0.02\nseed: 3\n")
     cfg = configured(["learner", "--config", str(yaml_path)])[0].cfg
@@ -86,14 +87,23 @@ def test_a_bad_file_is_refused_in_one_line_naming_the_field(tmp_path, text, erro
     assert error in str(e.value) and "\n" not in str(e.value), e.value
 
 
-def test_presets_sit_between_the_defaults_and_the_file(monkeypatch, tmp_path):
-    """The families' values are the learning issue's; the mechanism is tested with one put in place here."""
-    monkeypatch.setitem(presets.PRESETS, "minatar", {"batch_size": 8, "entropy_cost": 0.03})
+def test_presets_sit_between_the_defaults_and_the_file(tmp_path):
+    """Each family's preset applies to its ids, every value it sets is labelled with it, and a flag or a file wins."""
     assert presets.family("MinAtar/Breakout-v1") == "minatar" and presets.family("ALE/Pong-v5") == "atari"
     assert presets.family("PongNoFrameskip-v4") == "atari" and presets.family("CartPole-v1") == "classic"
     layered, _ = configured(["train", "--env", "MinAtar/Breakout-v1", "--entropy-cost", "0.01"])
     assert layered.cfg.loss.batch_size == 8 and layered.layer("batch_size") == "preset:minatar"
+    assert layered.cfg.loss.reward_scale == 1.0 and layered.layer("reward_scale") == "preset:minatar"
     assert layered.cfg.loss.entropy_cost == 0.01 and layered.layer("entropy_cost") == "flag"
+    assert re.search(r"loss.batch_size = 8 +\(preset:minatar\)", layered.describe())
+    pong, _ = configured(["train", "--env", "ALE/Pong-v5", "--learning-rate", "3e-4"])
+    assert (pong.cfg.loss.reward_clip, pong.cfg.loss.entropy_cost) == (1.0, 0.01)
+    assert pong.layer("reward_clip") == "preset:atari" and pong.cfg.loss.learning_rate == 3e-4
+    for family, values in presets.PRESETS.items():  # every value a preset sets is one the flags could
+        layered = configured(["train", "--preset", family])[0]
+        assert all(layered.layer(name) == f"preset:{family}" for name in values), family
+    cartpole = configured(["train"])[0]
+    assert cartpole.cfg.loss.batch_size == 16 and cartpole.cfg.loss.reward_scale == 0.1  # classic: the defaults
     assert configured(["train", "--env", "MinAtar/Breakout-v1", "--preset", "none"])[0].cfg.loss.batch_size == 16
     assert configured(["train", "--preset", "minatar"])[0].cfg.loss.batch_size == 8  # by hand, on CartPole
     path = tmp_path / "run.toml"
