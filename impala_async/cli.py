@@ -165,6 +165,7 @@ def cmd_eval(args) -> int:
         greedy=args.greedy,
         seed=args.seed,
         max_episode_steps=args.max_episode_steps,
+        max_steps_without_reward=args.max_steps_without_reward,
         video=args.video,
         video_episodes=args.video_episodes,
         video_max_frames=args.video_max_frames,
@@ -205,8 +206,17 @@ def _add_eval(sub) -> None:
     ev.add_argument(
         "--max-episode-steps",
         type=int,
-        default=100_000,
-        help="cut an episode after this many steps, reported as cut (default: 100000)",
+        default=27_000,
+        help="cut an episode after this many steps, reported as cut (default: 27000: Atari's 108,000 frames, 4 a step)",
+    )
+    ev.add_argument(
+        "--max-steps-without-reward",
+        type=int,
+        default=5_000,
+        help=(
+            "cut an episode after this many steps in a row without a nonzero reward, reported as cut: a greedy policy "
+            "can play on forever without scoring (default: 5000; 0: never)"
+        ),
     )
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     ev.add_argument(

@@ -6,10 +6,12 @@ run's :class:`LearnerConfig`, then :func:`impala_async.core.models.build_model`)
 train loads here unchanged. The network is called once per step in :meth:`Policy.act` only (a recurrent core would
 keep its state there, reset by :meth:`Policy.reset`).
 
-With ``--video DIR``: one video per episode (the first ``--video-episodes``), MP4 through imageio's ffmpeg plugin or
-GIF where ffmpeg is missing. Frames are ``env.render()`` where the environment renders ``rgb_array`` (ALE, CartPole
-with pygame), else built from uint8 image observations (:func:`frame_from_obs`), scaled up to at least
-``MIN_VIDEO_SIDE`` pixels on the short side.
+Evaluation ends the way Atari evaluations are bounded: an episode is cut after ``max_episode_steps`` steps (27,000
+agent steps: the standard 108,000 emulator frames at 4 a step) or after ``max_steps_without_reward`` steps in a row
+that brought no reward (a greedy policy can keep Breakout's ball in play forever without hitting a brick); the report
+counts the episodes each cap cut.
+
+With ``--video DIR``: one video per episode (the first ``--video-episodes``; impala_async/video.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,26 +34,10 @@ from .core.models import build_model
 from .core.spec import TrajectorySpec
 from .learner import checkpoint
 from .learner.learn import model_config
+from .video import VIDEO_EXTRA, VideoError, VideoWriter, frame_from_obs, render_frame
 
 log = logging.getLogger("impala_async.evaluate")
-VIDEO_EXTRA = "pip install 'impala-async[video]'"
-MIN_VIDEO_SIDE = 256  # smaller frames are scaled up by a whole factor (nearest neighbour) to at least this
-# Colours of observation planes [C, H, W] that are no frame stack (MinAtar's objects): one per channel, cycled.
-PLANE_COLOURS = np.array(
-    [
-        [230, 25, 75],
-        [60, 180, 75],
-        [255, 225, 25],
-        [0, 130, 200],
-        [245, 130, 48],
-        [145, 30, 180],
-        [70, 240, 240],
-        [240, 50, 230],
-        [210, 245, 60],
-        [250, 190, 212],
-    ],
-    np.uint8,
-)
+CAPS = {"max_steps": "--max-episode-steps", "no_reward": "--max-steps-without-reward"}  # Episode.end of a cut: flag
 
 
 class EvalError(Exception):
@@ -65,7 +50,8 @@ class EvalOptions:
     episodes: int = 10
     greedy: bool = False
     seed: int = 0
-    max_episode_steps: int = 100_000  # an episode still running after this many steps is cut (and reported)
+    max_episode_steps: int = 27_000  # an episode still running after this many steps is cut (and reported)
+    max_steps_without_reward: int = 5_000  # an episode this many steps past its last nonzero reward is cut; 0: never
     video: str = ""  # directory for videos; empty: none
     video_episodes: int = 0  # videos of the first K episodes; 0: every episode
     video_max_frames: int = 10_000  # per video (a GIF holds its frames in memory until written)
@@ -77,15 +63,16 @@ class EvalOptions:
         for name in ("episodes", "max_episode_steps", "video_max_frames", "fps", "max_checkpoint_bytes"):
             if getattr(self, name) < 1:
                 raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.video_episodes < 0:
-            raise EvalError(f"--video-episodes must be >= 0, got {self.video_episodes}")
+        for name in ("video_episodes", "max_steps_without_reward"):
+            if getattr(self, name) < 0:
+                raise EvalError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass
 class Episode:
     ret: float
     length: int
-    end: str  # "terminated", "truncated" (the environment's time limit) or "max_steps" (--max-episode-steps)
+    end: str  # "terminated", "truncated" (the environment's time limit), or a cap of CAPS: "max_steps", "no_reward"
     video: str = ""
     frames: int = 0
 
@@ -182,105 +169,26 @@ def make_eval_env(env_id: str, env_kwargs: dict, render: bool):
         raise EvalError(f"cannot make {env_id} with {env_kwargs}: {type(e).__name__}: {str(e)[:300]}") from None
 
 
-def upscale(frame: np.ndarray, min_side: int = MIN_VIDEO_SIDE) -> np.ndarray:
-    """``[H, W, 3]`` -> ``[kH, kW, 3]`` with the smallest whole ``k`` that makes ``min(kH, kW) >= min_side``."""
-    k = max(1, math.ceil(min_side / min(frame.shape[:2])))
-    return frame if k == 1 else frame.repeat(k, axis=0).repeat(k, axis=1)
-
-
-def frame_from_obs(obs: np.ndarray, stacked: bool) -> np.ndarray:
-    """An RGB frame ``[H, W, 3]`` uint8 from an image observation: a frame stack ``[S, H, W]`` (``stacked``) shows its
-    newest frame in grey; planes of 0 and 1 ``[C, H, W]`` (MinAtar's objects) paint each nonzero cell in its
-    channel's colour (``PLANE_COLOURS``), later channels on top; otherwise ``[H, W]`` and ``[1, H, W]`` are grey,
-    ``[3, H, W]`` RGB, and other ``[C, H, W]`` are painted as planes."""
-    obs = np.asarray(obs)
-    if obs.dtype != np.uint8 or obs.ndim not in (2, 3):
-        raise EvalError(
-            f"observations {obs.dtype} {list(obs.shape)} are no image and the environment renders no "
-            f"rgb_array frames: no video"
-        )
-    planes = obs.ndim == 3 and not stacked and obs.max(initial=0) <= 1
-    if not planes and (obs.ndim == 2 or stacked or obs.shape[0] == 1):
-        grey = obs if obs.ndim == 2 else obs[-1]
-        return np.repeat(grey[:, :, None], 3, axis=2)
-    if not planes and obs.shape[0] == 3:
-        return np.ascontiguousarray(obs.transpose(1, 2, 0))
-    frame = np.zeros((*obs.shape[1:], 3), np.uint8)
-    for c, plane in enumerate(obs):
-        frame[plane > 0] = PLANE_COLOURS[c % len(PLANE_COLOURS)]
-    return frame
-
-
-def _even(frame: np.ndarray) -> np.ndarray:
-    """Pad ``[H, W, 3]`` with black to even sides (H.264 in yuv420p needs them)."""
-    h, w = frame.shape[:2]
-    return np.pad(frame, ((0, h % 2), (0, w % 2), (0, 0))) if h % 2 or w % 2 else frame
-
-
-class VideoWriter:
-    """Videos of episodes as ``DIR/episode-NNN.mp4`` (ffmpeg) or ``.gif`` (no ffmpeg): :meth:`open` one, then
-    :meth:`add` frames ``[H, W, 3]`` uint8 and :meth:`close` it. Raises EvalError without imageio."""
-
-    def __init__(self, directory: str | Path, fps: int, max_frames: int):
-        try:
-            import imageio.v2 as imageio
-        except ImportError:
-            raise EvalError(f"--video needs imageio: {VIDEO_EXTRA}") from None
-        self.imageio, self.fps, self.max_frames = imageio, fps, max_frames
-        try:
-            import imageio_ffmpeg
-
-            imageio_ffmpeg.get_ffmpeg_exe()
-            self.format = "mp4"
-        except (ImportError, RuntimeError):
-            self.format = "gif"
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._writer, self.path, self.frames = None, None, 0
-
-    def open(self, episode: int) -> None:
-        self.path = self.directory / f"episode-{episode:03d}.{self.format}"
-        if self.format == "mp4":
-            self._writer = self.imageio.get_writer(
-                self.path,
-                format="FFMPEG",
-                mode="I",
-                fps=self.fps,
-                codec="libx264",
-                macro_block_size=1,
-                ffmpeg_log_level="error",
-            )
-        else:
-            self._writer = self.imageio.get_writer(self.path, mode="I", duration=1000 / self.fps, loop=0)
-        self.frames = 0
-
-    def add(self, frame: np.ndarray) -> None:
-        if self.frames < self.max_frames:
-            frame = upscale(np.asarray(frame, np.uint8))
-            self._writer.append_data(_even(frame) if self.format == "mp4" else frame)
-            self.frames += 1
-
-    def close(self) -> tuple[str, int]:
-        self._writer.close()
-        self._writer = None
-        return str(self.path), self.frames
-
-
-def play_episode(env, policy: Policy, max_steps: int, seed: int | None, on_frame=None) -> Episode:
-    """One episode, at most ``max_steps`` steps; ``on_frame(obs)`` after the reset and after every step."""
+def play_episode(env, policy: Policy, caps: EvalOptions, seed: int | None, on_frame=None) -> Episode:
+    """One episode, cut by ``caps.max_episode_steps`` and ``caps.max_steps_without_reward`` (0: not by rewards);
+    ``on_frame(obs)`` after the reset and after every step."""
     obs, _ = env.reset(seed=seed)
     policy.reset()
     if on_frame:
         on_frame(obs)
-    total, steps = 0.0, 0
-    while steps < max_steps:
+    total, steps, last_reward_step = 0.0, 0, 0
+    while steps < caps.max_episode_steps:
         obs, reward, terminated, truncated, _ = env.step(policy.act(obs))
         total += float(reward)
         steps += 1
+        if reward != 0:
+            last_reward_step = steps
         if on_frame:
             on_frame(obs)
         if terminated or truncated:
             return Episode(total, steps, "terminated" if terminated else "truncated")
+        if caps.max_steps_without_reward and steps - last_reward_step >= caps.max_steps_without_reward:
+            return Episode(total, steps, "no_reward")
     return Episode(total, steps, "max_steps")
 
 
@@ -316,7 +224,8 @@ class Report:
             "returns": r.tolist(),
             "lengths": n.tolist(),
             "ends": [e.end for e in self.episodes],
-            "cut": sum(e.end == "max_steps" for e in self.episodes),
+            "cut": sum(e.end in CAPS for e in self.episodes),
+            "cut_by": {end: sum(e.end == end for e in self.episodes) for end in CAPS},
             "video_format": self.video_format or None,
             "videos": [
                 {"episode": i, "path": e.video, "frames": e.frames} for i, e in enumerate(self.episodes) if e.video
@@ -333,8 +242,9 @@ class Report:
             f"std {s['return_std']:.2f} (min {s['return_min']:g}, max {s['return_max']:g}); "
             f"length mean {s['length_mean']:.1f} std {s['length_std']:.1f}"
         )
-        if s["cut"]:
-            text += f"; {s['cut']} cut at --max-episode-steps"
+        cuts = [f"{n} at {CAPS[end]}" for end, n in s["cut_by"].items() if n]
+        if cuts:
+            text += f"; {s['cut']} cut ({', '.join(cuts)})"
         return text
 
 
@@ -369,7 +279,7 @@ def evaluate(opts: EvalOptions, progress=None) -> Report:
         recorded = opts.video_episodes or opts.episodes
 
         def record(obs: np.ndarray) -> None:
-            writer.add(_render(env, cfg.env.env) if renders else frame_from_obs(obs, stacked))
+            writer.add(render_frame(env, cfg.env.env) if renders else frame_from_obs(obs, stacked))
 
         t0 = time.monotonic()
         for i in range(opts.episodes):
@@ -377,9 +287,7 @@ def evaluate(opts: EvalOptions, progress=None) -> Report:
             if filmed:
                 writer.open(i)
             try:
-                episode = play_episode(
-                    env, policy, opts.max_episode_steps, opts.seed if i == 0 else None, record if filmed else None
-                )
+                episode = play_episode(env, policy, opts, opts.seed if i == 0 else None, record if filmed else None)
             finally:
                 if filmed:
                     video, frames = writer.close()
@@ -394,30 +302,6 @@ def evaluate(opts: EvalOptions, progress=None) -> Report:
         env.close()
 
 
-def _render(env, env_id: str) -> np.ndarray:
-    try:
-        frame = env.render()
-    except Exception as e:  # pygame missing (CartPole) and the like
-        raise EvalError(
-            f"--video: {env_id} cannot render ({type(e).__name__}: {str(e)[:200]}): {VIDEO_EXTRA}"
-        ) from None
-    if not isinstance(frame, np.ndarray) or frame.ndim != 3 or frame.shape[2] not in (3, 4):
-        raise EvalError(f"--video: {env_id}'s render() gave no [H, W, 3] frame")
-    return rgb8(frame)
-
-
-def rgb8(frame: np.ndarray) -> np.ndarray:
-    """A rendered frame ``[H, W, 3 or 4]`` as uint8 RGB ``[H, W, 3]``: floats (MinAtar renders float64 in [0, 1])
-    scaled to 0..255, alpha dropped."""
-    frame = frame[..., :3]
-    if frame.dtype == np.uint8:
-        return frame
-    frame = frame.astype(np.float64)
-    if frame.max(initial=0.0) <= 1.0:
-        frame = frame * 255.0
-    return np.clip(np.rint(frame), 0, 255).astype(np.uint8)
-
-
 def main(opts: EvalOptions, as_json: bool = False) -> int:
     """The ``eval`` command: per-episode lines and a summary line, or one JSON object with ``as_json``."""
 
@@ -425,7 +309,10 @@ def main(opts: EvalOptions, as_json: bool = False) -> int:
         video = f", video {e.video} ({e.frames} frames)" if e.video else ""
         print(f"episode {i + 1}/{opts.episodes}: return {e.ret:.6g}, length {e.length} ({e.end}){video}", flush=True)
 
-    report = evaluate(opts, None if as_json else progress)
+    try:
+        report = evaluate(opts, None if as_json else progress)
+    except VideoError as e:
+        raise EvalError(str(e)) from None
     if as_json:
         print(json.dumps(report.summary()))
         return 0

@@ -14,7 +14,7 @@ import pytest
 from procutil import cli as start_cli
 from procutil import stop, tail
 
-from impala_async import cli, evaluate
+from impala_async import cli, evaluate, video
 from impala_async.actors.envs import frame_stack_of, make_env
 from impala_async.core.models import build_model
 from impala_async.core.spec import TrajectorySpec
@@ -152,9 +152,9 @@ def test_image_observations_make_the_frames(evals):
     out = json.loads(stdout(evals["image"]))
     assert out["lengths"] == [1, 1, 1] and set(out["returns"]) <= {-1.0, 1.0}
     assert len(out["videos"]) == 3
-    for video in out["videos"]:
-        frames = read_video(video["path"])
-        assert len(frames) == video["frames"] == 2
+    for film in out["videos"]:
+        frames = read_video(film["path"])
+        assert len(frames) == film["frames"] == 2
         for f in frames:
             assert f.shape == (336, 336, 3)
             rows = f[4 * 34 : 4 * 50]  # inside the square's rows (32..52, scaled by 4)
@@ -173,24 +173,24 @@ def test_a_bad_checkpoint_is_one_line(tmp_path):
 def test_frames_from_planes_and_stacks():
     planes = np.zeros((4, 10, 10), np.uint8)  # MinAtar-like: object planes of 0 and 1
     planes[0, 2, 3] = planes[3, 7, 7] = planes[1, 7, 7] = 1
-    frame = evaluate.frame_from_obs(planes, stacked=False)
+    frame = video.frame_from_obs(planes, stacked=False)
     assert frame.shape == (10, 10, 3)
-    assert (frame[2, 3] == evaluate.PLANE_COLOURS[0]).all() and (frame[7, 7] == evaluate.PLANE_COLOURS[3]).all()
-    assert frame.sum() == evaluate.PLANE_COLOURS[[0, 3]].astype(int).sum()
-    big = evaluate.upscale(frame)
-    assert big.shape == (260, 260, 3) and (big[2 * 26 : 3 * 26, 3 * 26 : 4 * 26] == evaluate.PLANE_COLOURS[0]).all()
+    assert (frame[2, 3] == video.PLANE_COLOURS[0]).all() and (frame[7, 7] == video.PLANE_COLOURS[3]).all()
+    assert frame.sum() == video.PLANE_COLOURS[[0, 3]].astype(int).sum()
+    big = video.upscale(frame)
+    assert big.shape == (260, 260, 3) and (big[2 * 26 : 3 * 26, 3 * 26 : 4 * 26] == video.PLANE_COLOURS[0]).all()
     stack = np.stack([np.full((84, 84), v, np.uint8) for v in (10, 20, 30, 200)])
-    assert (evaluate.frame_from_obs(stack, stacked=True) == 200).all()
-    assert evaluate.upscale(np.zeros((400, 600, 3), np.uint8)).shape == (400, 600, 3)
+    assert (video.frame_from_obs(stack, stacked=True) == 200).all()
+    assert video.upscale(np.zeros((400, 600, 3), np.uint8)).shape == (400, 600, 3)
     rendered = np.array([[[0.0, 0.5, 1.0, 1.0]]])  # float RGBA in [0, 1], as MinAtar renders
-    assert evaluate.rgb8(rendered).tolist() == [[[0, 128, 255]]] and evaluate.rgb8(rendered).dtype == np.uint8
-    with pytest.raises(evaluate.EvalError, match="no image"):
-        evaluate.frame_from_obs(np.zeros(4, np.float32), stacked=False)
+    assert video.rgb8(rendered).tolist() == [[[0, 128, 255]]] and video.rgb8(rendered).dtype == np.uint8
+    with pytest.raises(video.VideoError, match="no image"):
+        video.frame_from_obs(np.zeros(4, np.float32), stacked=False)
 
 
 def test_gif_without_ffmpeg_and_one_line_without_imageio(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)
-    writer = evaluate.VideoWriter(tmp_path, fps=10, max_frames=3)
+    writer = video.VideoWriter(tmp_path, fps=10, max_frames=3)
     assert writer.format == "gif"
     writer.open(0)
     for v in range(5):  # two over max_frames: not written
@@ -202,8 +202,8 @@ def test_gif_without_ffmpeg_and_one_line_without_imageio(monkeypatch, tmp_path):
     assert [int(f[..., :3].mean()) for f in frames] == [0, 50, 100]
     for module in ("imageio", "imageio.v2"):
         monkeypatch.setitem(sys.modules, module, None)
-    with pytest.raises(evaluate.EvalError, match=re.escape("pip install 'impala-async[video]'")):
-        evaluate.VideoWriter(tmp_path, fps=10, max_frames=3)
+    with pytest.raises(video.VideoError, match=re.escape("pip install 'impala-async[video]'")):
+        video.VideoWriter(tmp_path, fps=10, max_frames=3)
 
 
 def test_refusals_and_the_step_bound(runs, tmp_path):
@@ -219,4 +219,38 @@ def test_refusals_and_the_step_bound(runs, tmp_path):
     report = evaluate.evaluate(evaluate.EvalOptions(str(runs["cartpole"]), episodes=3, max_episode_steps=5))
     s = report.summary()  # sampled; no CartPole episode ends within 5 steps
     assert not s["greedy"] and s["lengths"] == [5, 5, 5] and s["ends"] == ["max_steps"] * 3 and s["cut"] == 3
-    assert report.line().endswith("; 3 cut at --max-episode-steps")
+    assert s["cut_by"] == {"max_steps": 3, "no_reward": 0}
+    assert report.line().endswith("; 3 cut (3 at --max-episode-steps)")
+    with pytest.raises(evaluate.EvalError, match="--max-steps-without-reward must be >= 0"):
+        evaluate.evaluate(evaluate.EvalOptions(str(runs["cartpole"]), max_steps_without_reward=-1))
+
+
+class Still:
+    """A policy that always takes action 0 (MinAtar Freeway's no-op: the chicken never crosses, never scores)."""
+
+    def reset(self):
+        pass
+
+    def act(self, obs):
+        return 0
+
+
+def test_an_episode_without_reward_is_cut_and_counted():
+    """Freeway's chicken standing still earns nothing for the game's 2,500 steps: the cap on steps without reward
+    ends it, a reward restarts the count (CartPole pays every step: never cut by it), and 0 turns the cap off."""
+    pytest.importorskip("minatar", reason="pip install -e '.[minatar]'")
+    env = make_env("MinAtar/Freeway-v1")
+    caps = evaluate.EvalOptions("unused", max_episode_steps=27_000, max_steps_without_reward=300)
+    episode = evaluate.play_episode(env, Still(), caps, seed=0)
+    assert (episode.end, episode.length, episode.ret) == ("no_reward", 300, 0.0)
+    caps.max_steps_without_reward = 0
+    episode = evaluate.play_episode(env, Still(), caps, seed=0)
+    assert episode.end == "terminated" and episode.length > 300  # Freeway's own clock ends the game
+    cartpole = make_env("CartPole-v1")
+    caps.max_steps_without_reward = 3
+    assert evaluate.play_episode(cartpole, Still(), caps, seed=0).end == "terminated"  # rewarded every step
+    report = evaluate.Report("c.pt", "MinAtar/Freeway-v1", 0, 0, True, 0)
+    report.episodes = [evaluate.Episode(0.0, 300, "no_reward"), evaluate.Episode(1.0, 9, "max_steps")]
+    report.episodes.append(evaluate.Episode(2.0, 50, "terminated"))
+    assert report.summary()["cut_by"] == {"max_steps": 1, "no_reward": 1} and report.summary()["cut"] == 2
+    assert report.line().endswith("; 2 cut (1 at --max-episode-steps, 1 at --max-steps-without-reward)")
