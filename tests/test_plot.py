@@ -84,3 +84,20 @@ def test_median_band_spans_the_common_range():
     values = sorted([x / 10, 3.0, x / 5])
     assert (median[at], low[at], high[at]) == pytest.approx(values[1:2] + values[:1] + values[2:])
     assert tool.median_band([([0, 1], [0, 0]), ([2, 3], [0, 0])]) is None
+
+
+def test_one_panel_per_label_with_anchors(tmp_path):
+    """--per-label: a panel per game; an anchor is a dashed grey line in its own game's panel only."""
+    runs = [
+        str(write_run(tmp_path / f"{game}{i}", scale)) for game, scale in (("a", 100.0), ("b", 5.0)) for i in (0, 1)
+    ]
+    out = tmp_path / "games.png"
+    done = plot(*runs, "--labels", "A,A,B,B", "--median", "--per-label", "--anchor", "A=150:paper", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "4 runs, 2 labels" in done.stdout
+    pixels = read_png(out)
+    grey = (pixels == 89).all(axis=2)  # the anchor's colour, 0.35 grey
+    left, right = grey[:, : pixels.shape[1] // 2].sum(), grey[:, pixels.shape[1] // 2 :].sum()
+    assert left > 100 and right < 10, (left, right)
+    bad = plot(runs[0], "--anchor", "A:150", "-o", str(tmp_path / "x.png"))
+    assert bad.returncode == 2 and "expected LABEL=VALUE:TEXT" in bad.stderr

@@ -9,7 +9,10 @@ Each LOGDIR (or a metrics.jsonl path) is one run, drawn as one line per panel: `
 either is missing (null before the first episode) are left out. Labels default to the directory names. With
 ``--median``, runs that share a label are drawn faintly, with their median as a bold line and the range between
 their minimum and maximum shaded: each run is interpolated linearly onto a common grid spanning only the x range all
-of them cover. Needs matplotlib (``pip install 'impala-async[plot]'``); draws with the Agg backend, no display.
+of them cover. ``--per-label`` draws one panel per label instead (against env steps: five games in one figure), and
+``--anchor LABEL=VALUE:TEXT`` a dashed line at VALUE labelled TEXT in LABEL's panel (every panel without
+``--per-label``): a published result to compare with. Needs matplotlib (``pip install 'impala-async[plot]'``); draws
+with the Agg backend, no display.
 """
 
 from __future__ import annotations
@@ -56,6 +59,50 @@ def median_band(series: list[tuple[list[float], list[float]]]):
     return grid, np.median(ys, axis=0), ys.min(axis=0), ys.max(axis=0)
 
 
+def parse_anchor(text: str) -> tuple[str, float, str]:
+    """``LABEL=VALUE:TEXT`` -> ``(label, value, text)``."""
+    label, _, rest = text.partition("=")
+    value, _, name = rest.partition(":")
+    try:
+        return label.strip(), float(value), name.strip()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected LABEL=VALUE:TEXT, e.g. 'Breakout=50:Pgx PPO, 20M', got {text!r}"
+        ) from None
+
+
+def draw_label(ax, label: str, series: list, colour: str, median: bool) -> None:
+    """One label's runs ``[(x, y)]`` on ``ax``: a line each, or with ``median`` (and several runs) faint lines, their
+    median in bold and the min-max range shaded."""
+    faint = median and len(series) > 1
+    for i, (x, y) in enumerate(series):
+        ax.plot(
+            x,
+            y,
+            color=colour,
+            lw=0.8 if faint else 1.5,
+            alpha=0.3 if faint else 1.0,
+            marker="o" if len(x) < 5 else None,
+            ms=3,
+            label=None if faint or i else label,
+        )
+    band = median_band(series) if faint else None
+    if band is not None:
+        grid, mid, low, high = band
+        ax.fill_between(grid, low, high, color=colour, alpha=0.2, lw=0)
+        ax.plot(grid, mid, color=colour, lw=2, label=f"{label} (median of {len(series)})")
+    elif faint:  # runs that share no x range: their lines alone
+        ax.plot([], [], color=colour, label=f"{label} ({len(series)} runs)")
+
+
+def draw_anchors(ax, anchors: list[tuple[str, float, str]]) -> None:
+    for _, value, text in anchors:
+        ax.axhline(value, color="0.35", ls="--", lw=1)
+        ax.annotate(
+            text, (0.01, value), xycoords=("axes fraction", "data"), va="bottom", fontsize="small", color="0.25"
+        )
+
+
 def parse_size(text: str) -> tuple[int, int]:
     try:
         w, h = (int(v) for v in text.lower().split("x"))
@@ -83,6 +130,17 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--size", type=parse_size, default=(1200, 450), metavar="WxH", help="image size in pixels (default: 1200x450)"
+    )
+    p.add_argument(
+        "--per-label", action="store_true", help="one panel per label, against env steps (several games in one figure)"
+    )
+    p.add_argument(
+        "--anchor",
+        type=parse_anchor,
+        action="append",
+        default=[],
+        metavar="LABEL=VALUE:TEXT",
+        help="a dashed line at VALUE, labelled TEXT, in LABEL's panel (every panel without --per-label); repeatable",
     )
     p.add_argument("--dpi", type=int, default=100, help="dots per inch (default: 100)")
     p.add_argument("--title", default="", help="figure title")
@@ -122,31 +180,25 @@ def main(argv=None) -> int:
         return 1
 
     width, height = args.size
-    fig, axes = plt.subplots(1, 2, figsize=(width / args.dpi, height / args.dpi), dpi=args.dpi)
     order = list(dict.fromkeys(label for label, _ in runs))
     colours = {label: f"C{i % 10}" for i, label in enumerate(order)}
-    for ax, (x_key, x_name) in zip(axes, X_AXES, strict=True):
-        for label in order:
+    if args.per_label:
+        cols = min(3, len(order))
+        rows = -(-len(order) // cols)
+        fig, grid = plt.subplots(rows, cols, figsize=(width / args.dpi, height / args.dpi), dpi=args.dpi, squeeze=False)
+        panels = [(ax, [label], X_AXES[0]) for ax, label in zip(grid.flat, order, strict=False)]
+        for ax in list(grid.flat)[len(order) :]:
+            ax.set_visible(False)
+    else:
+        fig, axes = plt.subplots(1, 2, figsize=(width / args.dpi, height / args.dpi), dpi=args.dpi)
+        panels = [(ax, order, x_axis) for ax, x_axis in zip(axes, X_AXES, strict=True)]
+    for ax, labels_here, (x_key, x_name) in panels:
+        for label in labels_here:
             series = [data[x_key] for lab, data in runs if lab == label and data[x_key][0]]
-            faint = args.median and len(series) > 1
-            for i, (x, y) in enumerate(series):
-                ax.plot(
-                    x,
-                    y,
-                    color=colours[label],
-                    lw=0.8 if faint else 1.5,
-                    alpha=0.3 if faint else 1.0,
-                    marker="o" if len(x) < 5 else None,
-                    ms=3,
-                    label=None if faint or i else label,
-                )
-            band = median_band(series) if faint else None
-            if band is not None:
-                grid, median, low, high = band
-                ax.fill_between(grid, low, high, color=colours[label], alpha=0.2, lw=0)
-                ax.plot(grid, median, color=colours[label], lw=2, label=f"{label} (median of {len(series)})")
-            elif faint:  # runs that share no x range: their lines alone
-                ax.plot([], [], color=colours[label], label=f"{label} ({len(series)} runs)")
+            draw_label(ax, label, series, colours[label], args.median)
+        draw_anchors(ax, [a for a in args.anchor if not args.per_label or a[0] in labels_here])
+        if args.per_label:
+            ax.set_title(labels_here[0])
         ax.set_xlabel(x_name)
         ax.set_ylabel(args.metric)
         ax.grid(alpha=0.3)
