@@ -21,40 +21,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 IMAGE=localhost/impala-async:proof
 WORK=$(mktemp -d /tmp/prove-docker.XXXXXX)
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 fails=0
 check() { if eval "$2"; then echo "PASS  $1"; else echo "FAIL  $1"; fails=$((fails + 1)); fi; }
 
-# ---- a base image with python3, made locally (no registry pulls here)
-if [ -z "${BASE_IMAGE:-}" ]; then
-  BASE_IMAGE=localhost/impala-async-base:bookworm
-  if ! podman image exists "$BASE_IMAGE"; then
-    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$WORK/rootfs" \
-      http://deb.debian.org/debian > "$WORK/debootstrap.log"
-    tar -C "$WORK/rootfs" -c . | podman import --change 'CMD ["/bin/bash"]' - "$BASE_IMAGE" > /dev/null
-    rm -rf "$WORK/rootfs"
-  fi
-fi
-
-# ---- build: this machine's pip settings (CA bundle of its proxy, local wheels) reach the build as mounts only
-build_mounts=()
-pip_conf="$WORK/pip.conf"
-printf '[global]\n' > "$pip_conf"
-if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
-  build_mounts+=(-v /etc/ssl/certs/ca-certificates.crt:/run/host-ca.crt:ro)
-  printf 'cert = /run/host-ca.crt\n' >> "$pip_conf"
-fi
-if [ -d /opt/wheels ]; then
-  build_mounts+=(-v /opt/wheels:/opt/wheels:ro)
-  printf 'find-links = /opt/wheels\n' >> "$pip_conf"
-fi
-build_mounts+=(-v "$pip_conf:/etc/pip.conf:ro")
-start=$(date +%s)
-# --format docker: the OCI image format has no HEALTHCHECK (podman would drop it with a warning).
-podman build --format docker --isolation chroot "${build_mounts[@]}" --build-arg BASE_IMAGE="$BASE_IMAGE" \
-  --build-arg TORCH_SPEC="$TORCH_SPEC" -t "$IMAGE" . > "$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; exit 1; }
-echo "built $IMAGE in $(( $(date +%s) - start )) s; size $(podman image inspect "$IMAGE" --format '{{.Size}}' |
-  awk '{printf "%.0f MB", $1 / 1e6}')"
+# ---- the image, built from a base image made here (tools/container_image.sh)
+source tools/container_image.sh
+build_image "$IMAGE" "$WORK"
 
 # ---- the image's runtime configuration
 inspect() { podman image inspect "$IMAGE" --format "$1"; }

@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# The image as users run it: real containers (podman with the runc runtime) on a podman bridge network.
+#
+#   sudo bash tools/prove_containers.sh               # every check
+#   sudo CHECKS=2 REUSE=1 bash tools/prove_containers.sh   # only check 2, with an image built before (KEEP=1)
+#
+# Installs what it lacks (Debian: podman runc debootstrap), builds the image as tools/prove_dockerfile.sh does
+# (tools/container_image.sh; REUSE=1 takes an existing $IMAGE), prints PASS/FAIL per check, each check's time and a
+# summary, and removes every container, network and volume it made (each carries the label impala-proof=$TAG);
+# its last line counts what is left of them: 0.
+#
+# Checks:
+#  1. `podman run IMAGE` (its default command) learns CartPole and exits 0; `podman healthcheck run` passes while a
+#     run trains and the container reports healthy; `podman stop` (SIGTERM) leaves a final checkpoint in the mounted
+#     /data/runs and exits 0 within the stop timeout.
+#  2. External actors by address: a learner container (`impala-async learner` on its container address, CURVE keys
+#     mounted read-only) and two actor containers, each `impala-async actor --learner tcp://<learner address>:5555`
+#     with its own key: the learner reaches 475 on their data, counted per key on /metrics; an actor container with an
+#     unlisted key gets no weights and has nothing accepted; the learner container killed (SIGKILL) and started again
+#     with --resume at the same address: the actor containers keep running and attached, none of their messages
+#     rejected.
+#
+# Containers run with --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 (raising limits is not permitted on these
+# machines; crun refuses their cgroups, so --runtime runc). Traffic: the podman network's own addresses and loopback.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CHECKS=${CHECKS:-1,2}
+IMAGE=${IMAGE:-localhost/impala-async:proof}
+TAG=impala-proof-$$
+WORK=$(mktemp -d /tmp/prove-containers.XXXXXX)
+RUN=(podman --runtime runc run --label "impala-proof=$TAG" --ulimit nofile=1024:1024 --ulimit nproc=1024:1024)
+# podman's own complaints (no systemd here to time HEALTHCHECKs; no syslog) go to a log, not between the checks
+PODMAN_LOG=$WORK/podman.log
+UID_IN_IMAGE=1000
+fails=0
+passes=0
+check() {
+  if eval "$2"; then echo "PASS  $1"; passes=$((passes + 1)); else echo "FAIL  $1"; fails=$((fails + 1)); fi
+}
+wanted() { [[ ",$CHECKS," == *",$1,"* ]]; }
+left() {  # containers, networks and volumes of this run still present
+  echo $(( $(podman ps -aq --filter "label=impala-proof=$TAG" | wc -l)
+    + $(podman network ls -q --filter "label=impala-proof=$TAG" | wc -l)
+    + $(podman volume ls -q --filter "label=impala-proof=$TAG" | wc -l) ))
+}
+cleanup() {
+  set +e
+  podman ps -aq --filter "label=impala-proof=$TAG" | xargs -r podman rm -f -t 0 > /dev/null 2>&1
+  podman network ls -q --filter "label=impala-proof=$TAG" | xargs -r podman network rm -f > /dev/null 2>&1
+  podman volume ls -q --filter "label=impala-proof=$TAG" | xargs -r podman volume rm -f > /dev/null 2>&1
+  [ "${KEEP:-0}" = 1 ] || [ "${REUSE:-0}" = 1 ] || podman rmi "$IMAGE" > /dev/null 2>&1
+  rm -rf "$WORK"
+  echo "left behind: $(left) containers, networks and volumes labelled impala-proof=$TAG"
+}
+trap cleanup EXIT
+
+# ---- what it needs
+if ! command -v podman > /dev/null || ! command -v runc > /dev/null || ! command -v debootstrap > /dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q podman runc debootstrap > "$WORK/apt.log" 2>&1 ||
+    { tail -20 "$WORK/apt.log"; exit 1; }
+fi
+if [ "${REUSE:-0}" = 1 ] && podman image exists "$IMAGE"; then
+  echo "reusing $IMAGE; size $(podman image inspect "$IMAGE" --format '{{.Size}}' | awk '{printf "%.0f MB", $1 / 1e6}')"
+else
+  source tools/container_image.sh
+  build_image "$IMAGE" "$WORK"
+fi
+
+# best_return RUNDIR: the best mean return of RUNDIR/metrics.jsonl (0 if none yet)
+best_return() {
+  python3 -c 'import json, sys
+best = 0.0
+for line in open(sys.argv[1]):
+    try:
+        best = max(best, json.loads(line).get("episode_return_mean") or 0.0)
+    except ValueError:
+        pass
+print(best)' "$1/metrics.jsonl" 2> /dev/null || echo 0
+}
+at_least() { python3 -c 'import sys; sys.exit(float(sys.argv[1] or 0) < float(sys.argv[2]))' "$1" "$2"; }
+# wait_for SECONDS COMMAND: poll COMMAND every half second until it succeeds (0) or the time is up (1)
+wait_for() {
+  local deadline=$((SECONDS + $1))
+  until eval "$2"; do [ $SECONDS -lt $deadline ] || return 1; sleep 0.5; done
+}
+state() { podman inspect "$1" --format "$2" 2> /dev/null; }
+runs_dir() { mkdir -p "$WORK/$1" && chown "$UID_IN_IMAGE:$UID_IN_IMAGE" "$WORK/$1" && echo "$WORK/$1"; }
+
+# ---- 1. the default command; healthcheck; podman stop
+if wanted 1; then
+  t0=$SECONDS
+  runs=$(runs_dir runs-default)
+  rc=0; timeout 900 "${RUN[@]}" --name "$TAG-default" -v "$runs:/data/runs" "$IMAGE" > "$WORK/default.log" 2>&1 ||
+    rc=$?
+  best=$(best_return "$(ls -d "$runs"/*/ | head -1)")
+  check "1a podman run IMAGE (default CMD) exits 0 [rc=$rc]" '[ "$rc" = 0 ]'
+  check "1a ... and learns CartPole: best mean return $best >= 475" 'at_least "$best" 475'
+  check "1a ... and leaves its checkpoints in the mounted /data/runs" \
+    '[ -n "$(find "$runs" -name "checkpoint-*.pt" -user "$UID_IN_IMAGE" | head -1)" ]'
+
+  runs=$(runs_dir runs-stop)
+  "${RUN[@]}" -d --name "$TAG-stop" -v "$runs:/data/runs" "$IMAGE" train --env CartPole-v1 \
+    --total-env-steps 100000000 --logdir /data/runs/stop > /dev/null 2>> "$PODMAN_LOG"
+  wait_for 300 '[ -s "$runs/stop/metrics.jsonl" ]' || true
+  rc=0; podman healthcheck run "$TAG-stop" > "$WORK/health.log" 2>> "$PODMAN_LOG" || rc=$?
+  health=$(state "$TAG-stop" '{{.State.Healthcheck.Status}}')
+  check "1b podman healthcheck run passes while it trains [rc=$rc $(head -c 80 "$WORK/health.log")]" '[ "$rc" = 0 ]'
+  check "1b the container reports healthy [$health]" '[ "$health" = healthy ]'
+  t1=$SECONDS; podman stop -t 30 "$TAG-stop" > /dev/null 2>> "$PODMAN_LOG"; stop_s=$((SECONDS - t1))
+  code=$(state "$TAG-stop" '{{.State.ExitCode}}')
+  check "1c podman stop: exit code $code within the 30 s stop timeout [${stop_s} s]" \
+    '[ "$code" = 0 ] && [ "$stop_s" -lt 30 ]'
+  check "1c podman stop: a final checkpoint in the mounted /data/runs" \
+    '[ -n "$(ls "$runs"/stop/checkpoint-*.pt 2> /dev/null)" ] && grep -q "final checkpoint" <(podman logs "$TAG-stop" 2>&1)'
+  echo "      check 1: $((SECONDS - t0)) s"
+fi
+
+# ---- 2. a learner container and actor containers that attach by address
+if wanted 2; then
+  t0=$SECONDS
+  subnet=10.89.$((RANDOM % 200 + 20))
+  net=$TAG-net
+  podman network create --label "impala-proof=$TAG" --subnet "$subnet.0/24" "$net" > /dev/null
+  learner_ip=$subnet.10
+  keys=$WORK/keys
+  mkdir -p "$keys" && chown "$UID_IN_IMAGE" "$keys"
+  for name in learner actor1 actor2 rogue; do  # keys made by the image's own keygen, as its user
+    role=actor; [ "$name" = learner ] && role=learner
+    "${RUN[@]}" --rm -v "$keys:/keys" "$IMAGE" keygen "/keys/$name" --name "$role" > /dev/null 2>> "$PODMAN_LOG"
+  done
+  mkdir -p "$keys/learner/allowed"
+  cp "$keys/actor1/actor.key" "$keys/learner/allowed/actor1.key"  # rogue's key is not admitted
+  cp "$keys/actor2/actor.key" "$keys/learner/allowed/actor2.key"
+  for name in actor1 actor2 rogue; do cp "$keys/learner/learner.key" "$keys/$name/learner.key"; done
+  chown -R "$UID_IN_IMAGE:$UID_IN_IMAGE" "$keys"
+  chmod 700 "$keys/learner/allowed"
+  runs=$(runs_dir runs-external)
+  learner=(--network "$net" --ip "$learner_ip" -v "$keys/learner:/keys:ro" -v "$runs:/data/runs" "$IMAGE" learner
+    --env CartPole-v1 --total-env-steps 100000000 --logdir /data/runs/learner --listen tcp://0.0.0.0:5555
+    --publish tcp://0.0.0.0:5556 --curve-keys /keys --metrics-host 0.0.0.0 --metrics-port 9481
+    --checkpoint-interval-s 10)
+  "${RUN[@]}" -d --name "$TAG-learner" "${learner[@]}" > /dev/null 2>> "$PODMAN_LOG"
+  for name in actor1 actor2 rogue; do
+    "${RUN[@]}" -d --name "$TAG-$name" --network "$net" -v "$keys/$name:/keys:ro" "$IMAGE" actor \
+      --learner "tcp://$learner_ip:5555" --curve-keys /keys --max-wait-for-weights-s 60 > /dev/null 2>> "$PODMAN_LOG"
+  done
+  metrics() { python3 -c 'import sys, urllib.request
+print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "http://$learner_ip:9481/metrics" 2> /dev/null ||
+    true; }
+  by_key() { metrics | awk -v k="$1" -F'[{}" ]+' '$1 == "impala_async_trajectories_by_key_total" && $3 == k {print $4}'; }
+  wait_for 600 'at_least "$(best_return "$runs/learner")" 475' || true
+  best=$(best_return "$runs/learner")
+  check "2a the learner container reaches 475 on the actor containers' data [best $best]" 'at_least "$best" 475'
+  a1=$(by_key actor1); a2=$(by_key actor2)
+  check "2b /metrics counts trajectories per actor key [actor1 ${a1:-none}, actor2 ${a2:-none}]" \
+    'at_least "${a1:-0}" 1 && at_least "${a2:-0}" 1'
+  keys_listed=$(metrics | grep -c '^impala_async_trajectories_by_key_total{' || true)
+  # the rogue actor: refused at the handshake, no weights within its --max-wait-for-weights-s, restarted by its own
+  # supervisor, refused again
+  wait_for 150 'podman logs "$TAG-rogue" 2>&1 | grep -q "no weights from"' || true
+  podman logs "$TAG-rogue" > "$WORK/rogue.log" 2>&1 || true
+  check "2c the unlisted key is refused and gets no weights in 60 s [$(grep -c "refused this actor's key" "$WORK/rogue.log") refusals logged]" \
+    'grep -q "refused this actor'"'"'s key" "$WORK/rogue.log" && grep -q "no weights from" "$WORK/rogue.log"'
+  check "2c ... and nothing of it is accepted: /metrics lists 2 keys [$keys_listed]" '[ "$keys_listed" = 2 ]'
+  started1=$(state "$TAG-actor1" '{{.State.StartedAt}}')
+  wait_for 60 '[ -n "$(ls "$runs"/learner/checkpoint-*.pt 2> /dev/null)" ]' || true
+  podman kill "$TAG-learner" > /dev/null 2>> "$PODMAN_LOG"; podman rm -f "$TAG-learner" > /dev/null 2>> "$PODMAN_LOG"
+  "${RUN[@]}" -d --name "$TAG-learner" "${learner[@]}" --resume /data/runs/learner > /dev/null 2>> "$PODMAN_LOG"
+  t1=$SECONDS
+  # the resumed learner's own counters start from 0: fresh trajectories of both keys mean both reattached
+  wait_for 300 'at_least "$(by_key actor1)" 1 && at_least "$(by_key actor2)" 1' || true
+  attach_s=$((SECONDS - t1))
+  b1=$(by_key actor1); b2=$(by_key actor2)
+  check "2d after SIGKILL and --resume both actor containers are attached [actor1 ${b1:-none}, actor2 ${b2:-none}, ${attach_s} s]" \
+    'at_least "${b1:-0}" 1 && at_least "${b2:-0}" 1'
+  check "2d ... without being restarted" '[ "$(state "$TAG-actor1" "{{.State.Running}}")" = true ] &&
+    [ "$(state "$TAG-actor1" "{{.State.StartedAt}}")" = "$started1" ] &&
+    [ "$(state "$TAG-actor2" "{{.State.Running}}")" = true ]'
+  rejected=$(metrics | awk '$1 ~ /^impala_async_rejected_messages_total[{]/ {n += $2; seen = 1} END {if (seen) print n}')
+  dropped=$(metrics | awk '$1 == "impala_async_messages_dropped_incarnation_total" {print $2}')
+  check "2d ... and none of their messages rejected [rejected ${rejected:-?}; from before the restart, dropped unread: ${dropped:-?}]" \
+    '[ "${rejected:-x}" = 0 ]'
+  echo "      check 2: $((SECONDS - t0)) s"
+fi
+
+echo "$passes passed, $fails failed"
+[ "$fails" = 0 ]
