@@ -12,9 +12,9 @@ Offline checks, all of them able to fail:
 - the key-copying init containers, run on a directory laid out as the kubelet lays out a Secret volume, produce key
   directories that impala_async.ops.auth loads.
 
-Overlays are rendered here by a small Kustomize subset (resources, strategic-merge patches merging lists by name,
-JSON 6902 add/replace, replicas) that refuses anything else; where kubectl is installed, its `kubectl kustomize`
-output must equal this rendering.
+Overlays are rendered by tools/k8s_render.py, a small Kustomize subset (resources, strategic-merge patches merging lists
+by name, JSON 6902 add/replace/remove, replicas) that refuses anything else; where kubectl is installed, its
+`kubectl kustomize` output must equal this rendering.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.util
 import io
 import json
 import re
@@ -36,7 +37,12 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read deploy/ (pip
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
-VARIANTS = {"base": K8S / "base", "small": K8S / "overlays" / "small", "large": K8S / "overlays" / "large"}
+VARIANTS = {
+    "base": K8S / "base",
+    "small": K8S / "overlays" / "small",
+    "large": K8S / "overlays" / "large",
+    "cpu": K8S / "overlays" / "cpu",
+}
 K8S_VERSION = "1.30.0"  # the version validated against (kubernetes-validate >= 1.30 bundles it), and its newest below
 METRICS_PORT = 9481
 FLEET_ACTORS_RANGE = (20, 50)  # the source article's actors per learner
@@ -44,80 +50,12 @@ IMAGE_UID = 1000  # the Dockerfile's user
 SHELL_COMMAND = ["/bin/sh", "-c"]
 
 
-# ------------------------------------------------------------------------------------------- a Kustomize subset
-_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "patches", "replicas"}
-_MERGED_BY_NAME = {"containers", "initContainers", "env", "volumes"}  # strategic-merge lists keyed by name
-
-
-def _smp(base, patch, key: str = ""):
-    """Strategic merge patch as Kustomize applies it, for the cases this subset supports (else it raises)."""
-    if isinstance(patch, dict):
-        if any(k.startswith("$") for k in patch) or None in patch.values():
-            raise NotImplementedError(f"{key}: $patch directives and null deletions are not in this subset")
-        out = dict(base) if isinstance(base, dict) else {}
-        for k, v in patch.items():
-            out[k] = _smp(out[k], v, k) if k in out else v
-        return out
-    if isinstance(patch, list) and any(isinstance(x, dict) for x in patch):
-        if key not in _MERGED_BY_NAME:
-            raise NotImplementedError(f"{key}: this subset merges lists by name only ({sorted(_MERGED_BY_NAME)})")
-        out = [dict(x) for x in base]
-        for item in patch:
-            names = [x["name"] for x in out]
-            if item["name"] in names:
-                out[names.index(item["name"])] = _smp(out[names.index(item["name"])], item)
-            else:
-                out.append(item)
-        return out
-    return patch  # scalars and lists of scalars (args, command) are replaced
-
-
-def _json6902(doc: dict, ops: list[dict]) -> None:
-    for op in ops:
-        if op["op"] not in ("add", "replace"):
-            raise NotImplementedError(f"JSON patch op {op['op']} is not in this subset")
-        *parents, last = op["path"].lstrip("/").split("/")
-        node = doc
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        if isinstance(node, list):
-            if last == "-":
-                node.append(op["value"])
-            elif op["op"] == "add":
-                node.insert(int(last), op["value"])
-            else:
-                node[int(last)] = op["value"]
-        else:
-            if op["op"] == "replace" and last not in node:
-                raise KeyError(f"replace of missing {op['path']}")
-            node[last] = op["value"]
-
-
-def _one(docs: list[dict], kind: str, name: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind} {name}, found {len(found)}"
-    return found[0]
-
-
-def render(directory: Path) -> list[dict]:
-    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    unknown = set(k) - _KUSTOMIZATION_KEYS
-    assert not unknown, f"{directory}: {sorted(unknown)} not supported by this test's renderer"
-    docs: list[dict] = []
-    for resource in k.get("resources", []):
-        path = directory / resource
-        docs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
-    for patch in k.get("patches", []):
-        assert set(patch) <= {"path", "patch", "target"}, patch
-        body = yaml.safe_load((directory / patch["path"]).read_text() if "path" in patch else patch["patch"])
-        if isinstance(body, list):
-            _json6902(_one(docs, patch["target"]["kind"], patch["target"]["name"]), body)
-        else:
-            target = _one(docs, body["kind"], body["metadata"]["name"])
-            docs[docs.index(target)] = _smp(target, body)
-    for replicas in k.get("replicas", []):
-        _one(docs, "Deployment", replicas["name"])["spec"]["replicas"] = replicas["count"]
-    return docs
+# The Kustomize subset that renders the overlays lives in tools/k8s_render.py (tools/prove_containers.sh plays its
+# output with podman).
+_spec = importlib.util.spec_from_file_location("k8s_render", ROOT / "tools" / "k8s_render.py")
+k8s_render = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(k8s_render)
+render, _one, _expand = k8s_render.render, k8s_render.one, k8s_render.expand
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +64,6 @@ def rendered() -> dict[str, list[dict]]:
 
 
 # ------------------------------------------------------------------------------------------------ small helpers
-def _expand(value: str, env: dict[str, str]) -> str:
-    """Kubernetes' $(VAR) expansion in command and args: $$ is a literal $, an undefined $(X) stays as it is."""
-    return re.sub(
-        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
-        value,
-    )
-
-
 def _env(container: dict) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", [])}
 
@@ -263,14 +192,17 @@ def test_learner(rendered, variant, tmp_path):
     assert argv[0] == "learner"
     assert _flag(argv, "--listen") == "tcp://0.0.0.0:5555" and _flag(argv, "--publish") == "tcp://0.0.0.0:5556"
     assert _flag(argv, "--curve-keys").startswith("/keys/")
-    assert _flag(argv, "--device") == "cuda"
+    resources = learner["resources"]
+    if variant == "cpu":  # no GPU anywhere in it
+        assert _flag(argv, "--device") == "cpu" and "tolerations" not in pod["spec"]
+        assert not any("gpu" in k for k in {**resources["requests"], **resources["limits"]})
+    else:
+        assert _flag(argv, "--device") == "cuda"
+        assert int(resources["requests"]["nvidia.com/gpu"]) == int(resources["limits"]["nvidia.com/gpu"]) == 1
     assert (_flag(argv, "--metrics-host"), int(_flag(argv, "--metrics-port"))) == ("0.0.0.0", METRICS_PORT)
     # /metrics answers to the Service's name (a Prometheus that scrapes it by name sends it as Host).
     allowed = _flag(argv, "--metrics-allowed-hosts").split(",")
     assert _one(docs, "Service", "impala-learner")["metadata"]["name"] in allowed
-
-    for where in ("requests", "limits"):
-        assert int(learner["resources"][where]["nvidia.com/gpu"]) == 1
 
     ports = {p["name"]: p["containerPort"] for p in learner["ports"]}
     assert ports == {"trajectories": 5555, "weights": 5556, "metrics": METRICS_PORT}
@@ -324,7 +256,7 @@ def test_actor_fleet(rendered, variant, tmp_path):
     assert argv[0] == "actor"
     per_pod = int(_flag(argv, "--num-actors"))
     fleet = actors["spec"]["replicas"] * per_pod
-    if variant != "small":  # small is for trying it out
+    if variant not in ("small", "cpu"):  # for trying it out
         assert FLEET_ACTORS_RANGE[0] <= fleet <= FLEET_ACTORS_RANGE[1], (variant, fleet)
     # One core per actor process, requested and limited.
     resources = container["resources"]
@@ -703,3 +635,38 @@ def test_no_stray_env_prefix(rendered):
             assert spec["enableServiceLinks"] is False
             for c in spec["initContainers"] + spec["containers"]:
                 assert not [n for n in _env(c) if n.startswith("IMPALA_ASYNC_")], c["name"]
+
+
+def test_what_podman_kube_play_is_given(rendered):
+    """tools/k8s_render.py --podman: what the kubelet and the cluster would do, done on the manifests (podman 4.3's
+    kube play expands no $(VAR), has no Services, plays one replica, mounts Secrets base64-encoded and publishes
+    containerPorts on the host)."""
+    notes = []
+    secrets = {n: f"/s/{n}" for n in ("impala-learner-key", "impala-allowed-actors", "impala-actor-key")}
+    ips = {"impala-learner": "10.89.5.10"}
+    docs = k8s_render.for_podman(rendered["cpu"], "localhost/x:1", ips, secrets, notes.append)
+    assert {d["kind"] for d in docs} == {"Deployment", "PersistentVolumeClaim"}
+    names = [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"]
+    assert names == ["impala-learner", "impala-actors", "impala-actors-2"]  # replicas 2: two pods of one
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    assert all(d["spec"]["replicas"] == 1 for d in deployments)
+    assert all(d["metadata"]["annotations"][k8s_render.INIT_TYPE] == "always" for d in deployments)
+    assert "not played: Service impala-learner" in notes
+    actor = _container(docs, "impala-actors", "actor")
+    assert actor["image"] == "localhost/x:1" and "$(" not in " ".join(actor["args"])
+    assert actor["args"][actor["args"].index("--num-actors") + 1] == "1"
+    assert "$$" not in actor["command"][2] and '--seed "$(od' in actor["command"][2]  # $$ is the shell's $ again
+    assert "ports" not in actor and actor["livenessProbe"]["httpGet"]["port"] == METRICS_PORT
+    pod = _pod(docs, "impala-actors")["spec"]
+    assert pod["hostAliases"] == [{"ip": "10.89.5.10", "hostnames": ["impala-learner"]}]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["actor-key"]["hostPath"] == {"path": "/s/impala-actor-key", "type": "Directory"}
+    assert "impala-actors-keys" in volumes and "emptyDir" in volumes["impala-actors-keys"]
+    mounts = {m["name"] for c in pod["initContainers"] + pod["containers"] for m in c["volumeMounts"]}
+    assert mounts <= set(volumes), mounts - set(volumes)
+    assert "$(" in " ".join(_container(rendered["cpu"], "impala-actors", "actor")["args"])  # the input is untouched
+    with pytest.raises(LookupError, match="no --secret-dir for Secret impala-learner-key"):
+        k8s_render.for_podman(rendered["cpu"], "x", ips, {}, notes.append)
+    doc = {"a": [1, 2], "b": {"c/d": 1}}
+    k8s_render.json6902(doc, [{"op": "remove", "path": "/a/0"}, {"op": "remove", "path": "/b/c~1d"}])
+    assert doc == {"a": [2], "b": {}}
