@@ -616,6 +616,23 @@ def test_compose(tmp_path):
     assert target.rsplit(":", 1)[0] in _flag(argv, "--metrics-allowed-hosts").split(",")
 
 
+def test_compose_cpu_override(tmp_path):
+    """compose.cpu.yaml: compose.yaml's learner with --device cpu and no GPU reservation, nothing else changed."""
+
+    class ComposeLoader(yaml.SafeLoader):
+        pass
+
+    ComposeLoader.add_constructor("!reset", lambda loader, node: "!reset")
+    override = yaml.load((DEPLOY / "compose.cpu.yaml").read_text(), Loader=ComposeLoader)
+    (learner,) = override["services"].values()
+    assert set(learner) == {"command", "deploy"} and learner["deploy"] == "!reset"
+    base = _compose()
+    cpu = _compose_argv({"services": {"learner": {**base["services"]["learner"], **learner}}}, tmp_path)
+    gpu = _compose_argv(base, tmp_path)
+    assert _flag(cpu, "--device") == "cpu" and _flag(gpu, "--device") == "cuda"
+    assert [a for a in cpu if a != "cpu"] == [a for a in gpu if a != "cuda"] and flag_problems(cpu) == []
+
+
 def test_deploy_extra_lists_the_validators():
     tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads pyproject.toml")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -24,12 +24,15 @@
 #     learner and the actor pods come up and CartPole learns; `podman kube down` removes them. What podman 4.3 does
 #     not honour, and what stands in for it, is printed (tools/k8s_render.py --podman: no $(VAR) expansion, no
 #     Services, no replicas above 1, no NetworkPolicies; probes are checked with their own request from here).
+#  4. Compose: podman-compose (PyPI) with deploy/compose.yaml and its CPU override deploy/compose.cpu.yaml, profile
+#     monitoring: the learner learns CartPole, and a real Prometheus (Debian's, in an image made here: no registry
+#     pulls) scrapes the learner's /metrics with deploy/prometheus.yml, its target up under the job's labels.
 #
 # Containers run with --ulimit nofile=1024:1024 --ulimit nproc=1024:1024 (raising limits is not permitted on these
 # machines; crun refuses their cgroups, so --runtime runc). Traffic: the podman network's own addresses and loopback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CHECKS=${CHECKS:-1,2,3}
+CHECKS=${CHECKS:-1,2,3,4}
 IMAGE=${IMAGE:-localhost/impala-async:proof}
 TAG=impala-proof-$$
 WORK=$(mktemp -d /tmp/prove-containers.XXXXXX)
@@ -41,6 +44,7 @@ export CONTAINERS_CONF=$WORK/containers.conf
 printf '[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]\n[engine]\nruntime = "runc"\n' \
   > "$CONTAINERS_CONF"
 UID_IN_IMAGE=1000
+PROMETHEUS_IMAGE=localhost/impala-proof-prometheus:debian
 fails=0
 passes=0
 check() {
@@ -50,6 +54,9 @@ wanted() { [[ ",$CHECKS," == *",$1,"* ]]; }
 left() {  # containers, networks and volumes of this run still present (with check 3: kube play's impala-* ones)
   local n
   n=$(( $(podman ps -aq --filter "label=impala-proof=$TAG" | wc -l)
+    + $(podman ps -aq --filter "label=io.podman.compose.project=$TAG" | wc -l)
+    + $(podman volume ls -q --filter "name=^${TAG}_" | wc -l)
+    + $(podman network ls -q --filter "name=^${TAG}_" | wc -l)
     + $(podman network ls -q --filter "label=impala-proof=$TAG" | wc -l)
     + $(podman volume ls -q --filter "label=impala-proof=$TAG" | wc -l) ))
   if [ -n "${KUBE_MADE:-}" ]; then
@@ -64,9 +71,11 @@ cleanup() {
   podman network ls -q --filter "label=impala-proof=$TAG" | xargs -r podman network rm -f > /dev/null 2>&1
   podman volume ls -q --filter "label=impala-proof=$TAG" | xargs -r podman volume rm -f > /dev/null 2>&1
   for f in "$WORK"/kube-*.yaml; do [ -f "$f" ] && podman kube down "$f" > /dev/null 2>&1; done
+  [ -z "${COMPOSE_UP:-}" ] || "${COMPOSE[@]}" down -v > /dev/null 2>&1
+  [ -n "${KEEP_PROMETHEUS:-}" ] || podman rmi "$PROMETHEUS_IMAGE" > /dev/null 2>&1
+  [ -z "${TAGGED:-}" ] || podman rmi localhost/impala-async:latest > /dev/null 2>&1
   if [ -n "${KUBE_MADE:-}" ]; then
     podman volume ls -q --filter "name=^impala-(runs|learner-|actors-)" | xargs -r podman volume rm -f
-    podman rmi localhost/impala-async:latest
   fi > /dev/null 2>&1
   [ "${KEEP:-0}" = 1 ] || [ "${REUSE:-0}" = 1 ] || podman rmi "$IMAGE" > /dev/null 2>&1
   echo "left behind: $(left) containers, networks and volumes labelled impala-proof=$TAG (and of kube play's)"
@@ -80,10 +89,10 @@ if ! command -v podman > /dev/null || ! command -v runc > /dev/null || ! command
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q podman runc debootstrap > "$WORK/apt.log" 2>&1 ||
     { tail -20 "$WORK/apt.log"; exit 1; }
 fi
+source tools/container_image.sh
 if [ "${REUSE:-0}" = 1 ] && podman image exists "$IMAGE"; then
   echo "reusing $IMAGE; size $(podman image inspect "$IMAGE" --format '{{.Size}}' | awk '{printf "%.0f MB", $1 / 1e6}')"
 else
-  source tools/container_image.sh
   build_image "$IMAGE" "$WORK"
 fi
 
@@ -105,6 +114,11 @@ wait_for() {
   until eval "$2"; do [ $SECONDS -lt $deadline ] || return 1; sleep 0.5; done
 }
 state() { podman inspect "$1" --format "$2" 2> /dev/null; }
+# the image as the manifests and the compose file name it (impala-async:latest), removed again at the end
+tag_latest() {
+  podman image exists localhost/impala-async:latest && return
+  podman tag "$IMAGE" localhost/impala-async:latest && TAGGED=1
+}
 runs_dir() { mkdir -p "$WORK/$1" && chown "$UID_IN_IMAGE:$UID_IN_IMAGE" "$WORK/$1" && echo "$WORK/$1"; }
 
 # ---- 1. the default command; healthcheck; podman stop
@@ -211,7 +225,7 @@ if wanted 3; then
     if podman $thing 2> /dev/null; then echo "check 3: podman $thing already: not touching it"; exit 1; fi
   done
   KUBE_MADE=1
-  podman tag "$IMAGE" localhost/impala-async:latest
+  tag_latest
   subnet=10.89.$((RANDOM % 200 + 20))
   podman network create --label "impala-proof=$TAG" --subnet "$subnet.0/24" "$TAG-kube" > /dev/null
   learner_ip=$subnet.10
@@ -274,6 +288,62 @@ print(sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("impal
   echo "      the PVC's volume outlives kube down, as a PVC outlives its Deployment: $kept kept, then removed"
   podman volume ls -q --filter "name=^impala-(runs|learner-|actors-)" | xargs -r podman volume rm -f > /dev/null 2>&1
   echo "      check 3: $((SECONDS - t0)) s"
+fi
+
+# ---- 4. compose, with Prometheus
+if wanted 4; then
+  t0=$SECONDS
+  if ! command -v podman-compose > /dev/null; then
+    python3 -m venv "$WORK/compose-venv" && "$WORK/compose-venv/bin/pip" install -q podman-compose > "$WORK/pip.log" 2>&1 ||
+      { tail -5 "$WORK/pip.log"; exit 1; }
+    PATH=$WORK/compose-venv/bin:$PATH
+  fi
+  if podman image exists "$PROMETHEUS_IMAGE"; then KEEP_PROMETHEUS=1; else
+    mkdir -p "$WORK/prometheus-image"
+    base_image "$WORK"  # tools/container_image.sh: Debian bookworm, made here with debootstrap unless it exists
+    printf '%s\n' "FROM $BASE_IMAGE" \
+      'RUN apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \' \
+      '  > /dev/null && rm -rf /var/lib/apt/lists/*' 'ENTRYPOINT ["/usr/bin/prometheus"]' > "$WORK/prometheus-image/Containerfile"
+    podman build --isolation chroot -t "$PROMETHEUS_IMAGE" "$WORK/prometheus-image" > "$WORK/prometheus-build.log" 2>&1 ||
+      { tail -10 "$WORK/prometheus-build.log"; exit 1; }
+  fi
+  tag_latest
+  printf 'services:\n  prometheus:\n    image: %s\n' "$PROMETHEUS_IMAGE" > "$WORK/compose.proof.yaml"
+  for port in 9481 9090; do  # compose publishes both on the host's loopback
+    if python3 -c 'import socket, sys; socket.create_connection(("127.0.0.1", int(sys.argv[1])), 1)' "$port" 2> /dev/null; then
+      echo "check 4: 127.0.0.1:$port is taken; compose.yaml publishes it"; exit 1
+    fi
+  done
+  COMPOSE=(podman-compose -p "$TAG" --profile monitoring -f deploy/compose.yaml -f deploy/compose.cpu.yaml
+    -f "$WORK/compose.proof.yaml")
+  COMPOSE_UP=1
+  rc=0; IMPALA_TOTAL_ENV_STEPS=100000000 "${COMPOSE[@]}" up -d > "$WORK/compose-up.log" 2>&1 || rc=$?
+  check "4a podman-compose up (compose.yaml + compose.cpu.yaml, profile monitoring) [rc=$rc]" '[ "$rc" = 0 ]'
+  runs=$(podman volume inspect "${TAG}_runs" --format '{{.Mountpoint}}' 2> /dev/null || echo /nonexistent)
+  wait_for 600 'at_least "$(best_return "$runs/learner")" 475' || true
+  best=$(best_return "$runs/learner")
+  check "4b the compose learner learns CartPole [best $best]" 'at_least "$best" 475'
+  prom() { python3 -c 'import json, sys, urllib.parse, urllib.request
+print(json.dumps(json.load(urllib.request.urlopen("http://127.0.0.1:9090/api/v1/" + sys.argv[1], timeout=5))))' "$1" \
+    2> /dev/null || echo '{}'; }
+  target_up() { prom targets | python3 -c 'import json, sys
+ts = (json.load(sys.stdin).get("data") or {}).get("activeTargets") or []
+up = [t for t in ts if t["health"] == "up" and t["labels"].get("job") == "impala-learner"]
+print(up[0]["labels"]["instance"] + " " + up[0]["scrapeUrl"] if up else "")'; }
+  wait_for 120 '[ -n "$(target_up)" ]' || true
+  target=$(target_up)
+  check "4c Prometheus ($(podman run --rm "$PROMETHEUS_IMAGE" --version 2>&1 | head -1 | cut -d' ' -f1-3)) scrapes the learner: target up [${target:-none}]" \
+    '[ -n "$target" ]'
+  got=$(prom "query?query=impala_async_trajectories_received_total" | python3 -c 'import json, sys
+r = (json.load(sys.stdin).get("data") or {}).get("result") or []
+print(r[0]["metric"].get("job", "") + " " + r[0]["value"][1] if r else "")')
+  check "4c ... and has impala_async_trajectories_received_total from it [${got:-nothing}]" \
+    '[ "${got%% *}" = impala-learner ] && at_least "${got##* }" 1'
+  rc=0; "${COMPOSE[@]}" down -v > "$WORK/compose-down.log" 2>&1 || rc=$?
+  COMPOSE_UP=
+  n=$(podman ps -aq --filter "label=io.podman.compose.project=$TAG" | wc -l)
+  check "4d podman-compose down -v removes its containers [rc=$rc, $n left]" '[ "$rc" = 0 ] && [ "$n" = 0 ]'
+  echo "      check 4: $((SECONDS - t0)) s"
 fi
 
 echo "$passes passed, $fails failed"
