@@ -213,10 +213,7 @@ def _add_eval(sub) -> None:
         "--max-steps-without-reward",
         type=int,
         default=5_000,
-        help=(
-            "cut an episode after this many steps in a row without a nonzero reward, reported as cut: a greedy policy "
-            "can play on forever without scoring (default: 5000; 0: never)"
-        ),
+        help="cut an episode after this many steps in a row with no reward, reported as cut (default: 5000; 0: never)",
     )
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     ev.add_argument(

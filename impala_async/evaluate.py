@@ -11,7 +11,7 @@ agent steps: the standard 108,000 emulator frames at 4 a step) or after ``max_st
 that brought no reward (a greedy policy can keep Breakout's ball in play forever without hitting a brick); the report
 counts the episodes each cap cut.
 
-With ``--video DIR``: one video per episode (the first ``--video-episodes``; impala_async/video.py).
+With ``--video DIR``: one video per episode (the first ``--video-episodes``; impala_async/ops/video.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .core.models import build_model
 from .core.spec import TrajectorySpec
 from .learner import checkpoint
 from .learner.learn import model_config
-from .video import VIDEO_EXTRA, VideoError, VideoWriter, frame_from_obs, render_frame
+from .ops.video import VIDEO_EXTRA, VideoError, VideoWriter, frame_from_obs, render_frame
 
 log = logging.getLogger("impala_async.evaluate")
 CAPS = {"max_steps": "--max-episode-steps", "no_reward": "--max-steps-without-reward"}  # Episode.end of a cut: flag

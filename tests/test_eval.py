@@ -14,12 +14,13 @@ import pytest
 from procutil import cli as start_cli
 from procutil import stop, tail
 
-from impala_async import cli, evaluate, video
+from impala_async import cli, evaluate
 from impala_async.actors.envs import frame_stack_of, make_env
 from impala_async.core.models import build_model
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner import checkpoint
 from impala_async.learner.learn import model_config
+from impala_async.ops import video
 
 imageio = pytest.importorskip("imageio.v2", reason="the video tests need imageio: pip install -e '.[video]'")
 
