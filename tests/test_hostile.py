@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import attacks
 import lz4.block
 import msgpack
 import numpy as np
@@ -89,14 +90,6 @@ class Learner:
         return wait_for(check, timeout_s, what, self.proc, self.log)
 
 
-def push_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    s = ctx.socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.SNDTIMEO, 10_000)
-    s.connect(endpoint)
-    return s
-
-
 def valid_message(
     spec: TrajectorySpec, *, actor: str, seq: int, version: int, incarnation: int, seed: int = 0, **arrays_override
 ):
@@ -142,7 +135,7 @@ def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
     learner.weights()
     spec = learner.spec
     T, A = spec.unroll_length, spec.num_actions
-    push = push_socket(ctx, learner.endpoint)
+    push = attacks.push(ctx, learner.endpoint)
     start = learner.metrics()
     assert start["messages_rejected"] == 0, "the real actor's messages were rejected:\n" + tail(learner.log)
     expected = {reason: 0 for reason in wire.REJECT_REASONS}
@@ -254,7 +247,7 @@ def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
 
     # ... and a fresh connection is served: an honest message is accepted whole. Proof: its replay (sent behind it on
     # the same connection) is the only new rejection, so the honest one went through every check before it.
-    fresh = push_socket(ctx, learner.endpoint)
+    fresh = attacks.push(ctx, learner.endpoint)
     honest = valid_message(
         spec, actor="fresh-connection", seq=0, version=learner.version(), incarnation=learner.incarnation, seed=3
     )
@@ -285,7 +278,7 @@ def test_bin_map_key_does_not_stop_the_learner(tmp_path, ctx):
     try:
         learner.weights()
         spec = learner.spec
-        push = push_socket(ctx, learner.endpoint)
+        push = attacks.push(ctx, learner.endpoint)
         msg = msgpack.unpackb(
             valid_message(spec, actor="bin-key", seq=0, version=0, incarnation=learner.incarnation), raw=False
         )
