@@ -127,6 +127,9 @@ def test_only_the_listed_actor_gets_in(tmp_path, key_dirs):
             llog,
         )
         assert row["messages_received"] == 0 and row["trajectories_received"] == 0, row
+        # Each refusal is counted: the stranger's two sockets were refused at least once each. The keyless client
+        # fails before ZAP (no CURVE mechanism), so it is not among them.
+        assert row["handshakes_refused_key"] >= 2, row
         assert f"refused a CURVE client with an unlisted public key {stranger.public.decode()}" in llog.read_text()
 
         # The listed key gets weights (so the refusals above were not a learner that is simply not publishing) ...

@@ -49,6 +49,7 @@ class Parts:
         self.started_at, self.wall_offset_s = started_at, wall_offset_s
         # Created by the server's startup, in this order.
         self.ctx: zmq.Context | None = None
+        self.authenticator = None  # with CURVE: the ZAP authenticator (ops/auth.py)
         self.ring: TrajectoryRing | None = None
         self.pacer: Pacer | None = None
         self.trainer: Trainer | None = None
@@ -83,6 +84,7 @@ class Parts:
             after_update=after_update,
             on_exit=on_trainer_exit,
             policy_version=resumed["policy_version"] if resumed else 0,
+            updates_per_batch=cfg.loss.updates_per_batch,
         )
         # Rank 0 publishes a version once it has made the update; another rank may finish that same update a moment
         # later (lock step: never more than one behind), so it accepts one version ahead of its own.
@@ -143,7 +145,7 @@ class Parts:
             self.publisher.counters,
             self._server_counters,
         ]
-        optional = (self.publication, self.checkpoints, self.actors, self.ranks)
+        optional = (self.publication, self.checkpoints, self.actors, self.ranks, self.authenticator)
         return own + [x.counters for x in optional if x is not None]
 
     def _server_counters(self) -> dict:

@@ -58,6 +58,7 @@ COUNTERS = {
     "checkpoint_failures": ("checkpoint_failures", "checkpoints that could not be written"),
     "actor_restarts": ("actor_restarts", "restarts of local actors"),
     "actors_replaced_silent": ("actors_replaced_silent", "local actors killed for missing heartbeats"),
+    "handshakes_refused_key": ("handshakes_refused_key", "CURVE handshakes refused: the client's key is not listed"),
 }
 # Figures of the snapshot that are levels, exported as gauges: key -> (name, help).
 GAUGES = {

@@ -209,7 +209,7 @@ class LearnerServer:
             return None
         from ..ops import auth
 
-        authenticator = auth.start_thread_authenticator(self.parts.ctx, self.keys)
+        authenticator = self.parts.authenticator = auth.start_thread_authenticator(self.parts.ctx, self.keys)
         self._closes("authenticator", lambda: auth.stop_authenticator(authenticator))
         log.info("CURVE on: %d allowed actor key(s)", len(self.keys.allowed))
         return lambda sock: auth.make_curve_server(sock, self.keys)
