@@ -28,12 +28,12 @@ class CheckingLearner(Learner):
         super().__init__(*a, **kw)
         self.seen: list[tuple[list[float], bool, str]] = []
 
-    def step(self, batch):
+    def step(self, batch, **kw):
         obs = batch["obs"]  # [B, T+1, 4]: every element of trajectory i holds i
         ids = obs[:, 0, 0]
         torn = (obs != ids.view(-1, 1, 1)).any() | (batch["reward"] != ids.view(-1, 1)).any()
         self.seen.append((ids.tolist(), bool(torn), obs.device.type))
-        return super().step(batch)
+        return super().step(batch, **kw)
 
 
 def produce(ring: TrajectoryRing, n: int, stop: threading.Event) -> None:
@@ -82,3 +82,42 @@ def test_every_batch_arrives_whole_and_in_order(device, overlap):
     got = [int(i) for ids, _, _ in learner.seen for i in ids]
     assert got == list(range(B * BATCHES)), "trajectories lost, repeated or out of order"
     assert learner.updates == BATCHES
+
+
+def test_updates_per_batch_learns_each_batch_again_and_counts_its_steps_once():
+    """``--updates-per-batch 2``: each batch is trained twice in a row before its slot is freed; the env steps count
+    once (they decide the schedules and the stop), the updates twice, the policy version once per batch, and the
+    report's importance-weight histogram holds both updates' weights."""
+    spec = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
+    ring = TrajectoryRing(spec, batch_size=B, num_batches=3, pin_memory=False, drop_when_full=False)
+    cfg = LearnerConfig.of(batch_size=B, updates_per_batch=2).check()
+    learner = CheckingLearner(cfg, spec, torch.device("cpu"))
+    batches, updates, done, exited = 10, [], threading.Event(), []
+    trainer = Trainer(
+        learner,
+        ring,
+        max_policy_lag=10**9,
+        after_update=lambda update: updates.append(update) or len(updates) >= batches,
+        on_exit=lambda error: (exited.append(error), done.set()),
+        updates_per_batch=cfg.loss.updates_per_batch,
+    )
+    stop = threading.Event()
+    producer = threading.Thread(target=produce, args=(ring, B * batches, stop), daemon=True)
+    trainer.start()
+    producer.start()
+    try:
+        assert done.wait(60), f"trainer did not finish: {len(learner.seen)} updates"
+    finally:
+        stop.set()
+        trainer.stop(10)
+        producer.join(10)
+    assert exited == [None]
+    seen = [ids for ids, _, _ in learner.seen]
+    assert seen[0::2] == seen[1::2], "a batch's two updates saw different trajectories"
+    assert [int(i) for ids in seen[0::2] for i in ids] == list(range(B * batches))
+    assert learner.updates == 2 * batches and trainer.policy_version == batches
+    assert learner.env_steps_trained == batches * B * spec.unroll_length
+    assert [u.version for u in updates] == list(range(1, batches + 1))
+    assert all(sum(u.stats["rho_hist"]) == 2 * B * spec.unroll_length for u in updates)
+    with pytest.raises(ValueError, match="updates_per_batch"):
+        LearnerConfig.of(updates_per_batch=0).check()

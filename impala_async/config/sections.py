@@ -222,6 +222,11 @@ class Loss(Section):
     NAME = "loss"
     TITLE = "loss and optimiser"
     batch_size: int = opt(16, "B: trajectories per learner update")
+    updates_per_batch: int = opt(
+        1,
+        "updates on each batch before its slot is freed (RLlib's num_epochs); above 1 each trajectory is "
+        "learnt from again by a policy it moved, V-trace correcting for that; a policy version is one batch",
+    )
     optimizer: str = opt(
         "adam", "adam (the source article's choice) or rmsprop (torchbeast's)", choices=("adam", "rmsprop")
     )
@@ -269,7 +274,7 @@ class Loss(Section):
 
     def check(self) -> None:
         super().check()
-        at_least(self, 1, "batch_size")
+        at_least(self, 1, "batch_size", "updates_per_batch")
         need(
             self.precision in ("fp32", "bf16"),
             f"precision must be fp32 or bf16, got {self.precision!r} (fp16 would "

@@ -136,9 +136,10 @@ class Learner:
         progress = min(1.0, self.env_steps_trained / self.total_env_steps)
         return hp.entropy_cost + (hp.final_entropy_cost - hp.entropy_cost) * progress
 
-    def step(self, batch: dict[str, torch.Tensor]) -> dict:
-        """One update from a ring batch of ``B`` trajectories (loss.inputs says its layout). Returns statistics;
-        ``stats["skipped"]``: the loss or the gradient was not finite and the weights were left unchanged;
+    def step(self, batch: dict[str, torch.Tensor], *, count_steps: bool = True) -> dict:
+        """One update from a ring batch of ``B`` trajectories (loss.inputs says its layout); ``count_steps=False``
+        for a batch's second and later updates (``updates_per_batch``): its env steps are trained once. Returns
+        statistics; ``stats["skipped"]``: the loss or the gradient was not finite and the weights were left unchanged;
         ``stats["last"]``: every rank stops after this update (ranks.py). Values from the wire enter the loss clipped
         into their documented ranges (``max_abs_*``); ``stats["inputs_clipped"]`` counts them."""
         x = loss.inputs(batch, self.spec, self.hp, self.model.recurrent)
@@ -146,7 +147,7 @@ class Learner:
             logits, values = self.forward(x.obs, x.core_state, x.starts)  # [T+1, B, A], [T+1, B]
         entropy_cost, lr = self.entropy_cost(), self.learning_rate()
         total, metrics = loss.impala_loss(logits, values, x, self.hp, entropy_cost, self._rho_edges)
-        skipped, last, grad_norm = self._apply(total, lr, batch_steps=x.rewards.numel())
+        skipped, last, grad_norm = self._apply(total, lr, batch_steps=x.rewards.numel() if count_steps else 0)
         scalars = torch.stack([*(metrics[k] for k in STAT_NAMES), grad_norm.float(), x.clipped.float()]).tolist()
         stats = dict(zip((*STAT_NAMES, "grad_norm", "inputs_clipped"), scalars, strict=True))
         stats.update(

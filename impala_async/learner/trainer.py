@@ -42,6 +42,7 @@ class Trainer:
         after_update: Callable[[Update | None], bool],
         on_exit: Callable[[BaseException | None], None],
         policy_version: int = 0,
+        updates_per_batch: int = 1,
     ):
         """``after_update(update)`` runs on this thread after each batch (``update`` is None in ingest-only mode:
         nothing was trained) and returns True to stop; ``on_exit(error)`` runs when the thread ends."""
@@ -53,6 +54,7 @@ class Trainer:
         self.overlap = overlap_copies
         self._after_update, self._on_exit = after_update, on_exit
         self.policy_version = policy_version
+        self.updates_per_batch = updates_per_batch
         self.batches = 0
         self.stage_s = {"h2d": 0.0, "train": 0.0, "wait": 0.0}  # cumulative seconds; wait: for a batch (starved)
         self._waited_s = 0.0  # stage_s["wait"] at the last update
@@ -148,12 +150,12 @@ class Trainer:
             self._on_exit(self.error)
 
     def _train(self, staged: Staged) -> Update:
-        """One update on a staged batch; its slot is released once the batch is no longer needed."""
+        """The updates on a staged batch; its slot is released once the batch is no longer needed."""
         if staged.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(staged.copied)
         lag = self.policy_version - staged.batch.policy_versions
         t0 = time.perf_counter()
-        stats = self.learner.step(staged.tensors)  # its .tolist() waits for the GPU, if any
+        stats = self._updates(staged.tensors)
         self.stage_s["train"] += time.perf_counter() - t0
         self._finish_copy(staged)
         self.batches += 1
@@ -163,6 +165,22 @@ class Trainer:
         update = Update(self.policy_version, stats, lag, waited - self._waited_s)
         self._waited_s = waited
         return update
+
+    def _updates(self, tensors: dict) -> dict:
+        """``updates_per_batch`` updates on one batch (fewer once one asks to stop). Returns the first applied one's
+        statistics (the first's losses are on data the policy has not learnt from yet) with ``rho_hist`` summed over
+        every applied one; ``skipped`` if all were, ``last`` if one asked to stop."""
+        stats = self.learner.step(tensors)  # its .tolist() waits for the GPU, if any
+        for _ in range(self.updates_per_batch - 1):
+            if stats["last"]:
+                break
+            more = self.learner.step(tensors, count_steps=False)
+            if stats["skipped"]:
+                stats = more
+            elif not more["skipped"]:
+                stats = {**stats, "rho_hist": [a + b for a, b in zip(stats["rho_hist"], more["rho_hist"], strict=True)]}
+            stats = {**stats, "last": more["last"]}
+        return stats
 
     def _release_all(self, staged: Staged) -> None:
         """Ingest-only mode: release this batch and every ready one (copied to the device, if any), untrained."""
