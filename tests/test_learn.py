@@ -4,6 +4,7 @@ The bf16 checks run on the CPU (torch's CPU autocast supports bf16), which exerc
 """
 
 import io
+import math
 
 import gymnasium as gym
 import numpy as np
@@ -185,17 +186,20 @@ def test_a_checkpoint_of_the_unfused_optimizer_resumes_fused(optimizer, switch):
 
 
 def test_the_update_takes_a_second_thread_for_images_only():
-    """--learner-threads 0: two threads (where the machine has two) for Atari-sized images, one for vectors and for
-    MinAtar's 10x10 planes (a small network's update loses with more: BENCHMARKS.md section 13); a number asked for
-    is taken as it is."""
-    import os
+    """--learner-threads 0 is resolved (and so written to config.json): two threads (where the machine has two) for
+    Atari-sized images, one for vectors and for MinAtar's 10x10 planes (a small network's update loses with more:
+    BENCHMARKS.md section 13); a number asked for is taken as it is."""
+    from impala_async.config import Layered, LearnerConfig
+    from impala_async.config.machine import usable_cpus
+    from impala_async.config.resolve import Probe, resolve
 
-    from impala_async.learner.main import learner_threads
+    def threads(asked: int, image_max, obs_shape) -> tuple[int, str]:
+        probe = Probe(image_max=image_max, trajectory_nbytes=1 << 10, obs_values=math.prod(obs_shape))
+        layered = Layered(LearnerConfig.of(learner_threads=asked), {"learner_threads": "flag"} if asked else {})
+        got = resolve(layered, default_listen="tcp://127.0.0.1:*", probe=probe)
+        return got.cfg.run.learner_threads, got.layer("learner_threads")
 
-    cpus = len(os.sched_getaffinity(0))
-    atari = TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=20)
-    minatar = TrajectorySpec(obs_shape=(10, 10, 4), obs_dtype="uint8", num_actions=3, unroll_length=20)
-    assert learner_threads(0, atari) == min(2, cpus)
-    assert learner_threads(0, minatar) == 1
-    assert learner_threads(0, _spec("CartPole-v1")) == 1
-    assert learner_threads(3, minatar) == 3
+    assert threads(0, 255.0, (4, 84, 84)) == (min(2, usable_cpus()), "resolved")
+    assert threads(0, 1.0, (10, 10, 4)) == (1, "resolved")
+    assert threads(0, None, (4,)) == (1, "resolved")
+    assert threads(3, 1.0, (10, 10, 4)) == (3, "flag")

@@ -1,5 +1,5 @@
 """Resolution: the one step that fills what a config leaves to the run (addresses, logdir, input scale, per-message
-and per-connection limits, the number of local actors), after which nothing changes it.
+and per-connection limits, the number of local actors, the learner's torch threads), after which nothing changes it.
 
 It needs two facts about the environment, from one environment built as actors build it (:class:`Probe`), and one
 about the process, its file-descriptor limit (:func:`fit_connections`, per learner rank).
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..core.address import port_offset
 from .layers import RESOLVED, Layered
 from .machine import usable_cpus
-from .sections import AUTO_SCRATCH_BYTES
+from .sections import AUTO_SCRATCH_BYTES, IMAGE_THREADS_MIN_VALUES
 
 log = logging.getLogger("impala_async.config.resolve")
 FD_RESERVE = 256  # file descriptors kept free of connections: logs, checkpoints, actor pipes, libraries
@@ -26,6 +26,7 @@ class Probe:
 
     image_max: float | None  # uint8 image observations: the observation space's highest value; None for vectors
     trajectory_nbytes: int  # one trajectory in the ring (core/spec.py)
+    obs_values: int = 0  # values in one observation (4 x 84 x 84 for stacked Atari frames)
 
 
 AUTO_BUFFER_MIN_BYTES, AUTO_BUFFER_MAX_BYTES = 4096, 256 << 10
@@ -69,6 +70,7 @@ def resolve(layered: Layered, *, default_listen: str, probe: Probe, now: float |
         "max_unread_bytes_per_connection": cfg.limits.max_unread_bytes_per_connection
         or (cfg.network.receive_hwm_messages + 2) * cfg.limits.max_message_bytes,
         "num_actors": cfg.actors.num_actors if cfg.actors.num_actors != -1 else max(1, usable_cpus() - 1),
+        "learner_threads": cfg.run.learner_threads or auto_learner_threads(probe),
         # With 0 (auto), as train's actors send: messages of envs_per_actor trajectories (actors/actor.py does the same)
         "receive_buffer_bytes": cfg.network.receive_buffer_bytes
         or auto_buffer_bytes(cfg.network.receive_hwm_messages, cfg.actors.envs_per_actor, probe.trajectory_nbytes),
@@ -76,6 +78,15 @@ def resolve(layered: Layered, *, default_listen: str, probe: Probe, now: float |
     flat = cfg.flat()
     changed = {k: v for k, v in values.items() if v != flat[k]}
     return layered.over(RESOLVED, changed)
+
+
+def auto_learner_threads(probe: Probe) -> int:
+    """Torch threads for the update on a CPU with ``--learner-threads 0``: two (where the machine has them) for image
+    observations of IMAGE_THREADS_MIN_VALUES values or more, else one. Measured on 2 cores (BENCHMARKS.md section 13):
+    Pong's Nature-CNN update with a second thread, 1,012 -> 1,075 trained steps/s while the actor kept its core's rest;
+    MinAtar's small network, 20,900 -> 17,500 (its operations are too small to split)."""
+    images = probe.image_max is not None and probe.obs_values >= IMAGE_THREADS_MIN_VALUES
+    return min(2, usable_cpus()) if images else 1
 
 
 def fit_connections(layered: Layered, local_actors: int) -> Layered:

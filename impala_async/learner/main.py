@@ -10,6 +10,7 @@ ends. A learner rank > 0 takes rank 0's resolved configuration, spec and incarna
 from __future__ import annotations
 
 import logging
+import math
 import sys
 
 from ..config import Layered, LearnerConfig, from_flat, layers
@@ -101,23 +102,8 @@ def probe_environment(cfg: LearnerConfig):
         env.close()
     if env_cfg.obs_codec == codecs.CODEC_JPEG and codecs.refusal(spec.fields[0], image_max or 255.0):
         raise SystemExit(f"impala-async: --env {env_cfg.env}: {codecs.refusal(spec.fields[0], image_max or 255.0)}")
-    return spec, Probe(image_max=image_max, trajectory_nbytes=spec.trajectory_nbytes), backend
-
-
-def learner_threads(asked: int, spec) -> int:
-    """Torch threads for the update on a CPU: ``asked``, or for 0 two (where the machine has them) with image
-    observations of IMAGE_THREADS_MIN_VALUES values or more and one otherwise. Measured on 2 cores (BENCHMARKS.md
-    section 13): Pong's Nature-CNN update with a second thread, 1,012 -> 1,075 trained steps/s while the actor kept
-    its core's rest; MinAtar's small network, 20,900 -> 17,500 (its operations are too small to split)."""
-    if asked:
-        return asked
-    import math
-    import os
-
-    from ..config.sections import IMAGE_THREADS_MIN_VALUES
-
-    images = spec.obs_dtype == "uint8" and math.prod(spec.obs_shape) >= IMAGE_THREADS_MIN_VALUES
-    return min(2, len(os.sched_getaffinity(0))) if images else 1
+    probe = Probe(image_max=image_max, trajectory_nbytes=spec.trajectory_nbytes, obs_values=math.prod(spec.obs_shape))
+    return spec, probe, backend
 
 
 def resolve_device(name: str, flag: str = "--device"):
@@ -169,7 +155,7 @@ def run(
             list(argv),
         )
     if device.type == "cpu":
-        torch.set_num_threads(learner_threads(cfg.run.learner_threads, spec))
+        torch.set_num_threads(cfg.run.learner_threads)  # resolved: config/resolve.py
         log.info("learner: the update runs on %d torch thread(s) (--learner-threads)", torch.get_num_threads())
     layered = fit_connections(layered, cfg.local_actors if group is None or group.rank == 0 else 0)
     cfg = layered.cfg
