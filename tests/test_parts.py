@@ -773,6 +773,7 @@ def own_figures(**over) -> dict:
         stage_train_s=0.0,
         stage_wait_s=0.0,
         decoded_bytes=0,
+        handshakes_refused_key=0,
         **{f"cut_{s}_{r}": 0 for s in ("trajectories", "weights") for r in ("max_connections", "unread_bytes")},
         **{f"cut_{s}_{r}": 0 for s in ("trajectories", "weights") for r in ("unread_bytes_total", "max_messages")},
         **{f"cut_{s}_{r}": 0 for s in ("trajectories", "weights") for r in ("stalled", "held_weights")},
@@ -833,6 +834,7 @@ def test_record_rates_stages_lags_and_losses():
         cut_weights_unread_bytes=3,
         rejected_replay=4,
         dropped_full=6,
+        handshakes_refused_key=7,
     )
     cur_own.update(stage_train_s=5.0, stage_h2d_s=0.9, stage_wait_s=0.25, stage_parse_s=0.6, stage_decode_s=1.2)
     peer_before = {"env_steps": 500, "trajectories_received": 100}
@@ -846,6 +848,7 @@ def test_record_rates_stages_lags_and_losses():
     ]
     lags = [(0, 1.5, 3), (2, 2.1, 5)]
     rec = metrics.record(cur, prev, stats, lags, wall_s=12.34567, batch_size=4, learner_ranks=2)
+    assert rec["handshakes_refused_key"] == 7  # this rank's own count, as the report gives it
 
     dt = 2.5
     assert rec["wall_s"] == 12.346

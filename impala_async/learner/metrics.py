@@ -81,8 +81,7 @@ COPIED = (
     "subscriptions",
     "subscriptions_ignored",
 )
-# Figures only some runs have: local actors (train), refused CURVE keys (--curve-keys).
-OPTIONAL_FIGURES = ("actors_alive", "actor_restarts", "actors_replaced_silent", "handshakes_refused_key")
+ACTOR_FIGURES = ("actors_alive", "actor_restarts", "actors_replaced_silent")
 TRAINER_STAGES = ("h2d", "train", "wait")  # seconds per trajectory trained; the other stages per trajectory received
 
 
@@ -141,8 +140,9 @@ def record(
     rec["scratch_mib"] = round(cur.own["scratch_bytes"] / 2**20, 2)
     for reason in CUT_REASONS:
         rec[f"connections_cut_{reason}"] = cur.own[f"cut_trajectories_{reason}"] + cur.own[f"cut_weights_{reason}"]
-    rec.update({k: cur.own[k] for k in OPTIONAL_FIGURES if k in cur.own})
+    rec.update({k: cur.own[k] for k in ACTOR_FIGURES if k in cur.own})
     rec.update({f"rejected_{r}": cur.own[f"rejected_{r}"] for r in REJECT_REASONS})
+    rec["handshakes_refused_key"] = cur.own["handshakes_refused_key"]
     rec.update({k: cur.own.get(k, 0) for k in REJECTED_RANK_VALUES})  # 0 with one rank
     rec.update(_losses(stats))
     rec["learner_ranks"] = learner_ranks

@@ -145,7 +145,7 @@ class Parts:
             self.publisher.counters,
             self._server_counters,
         ]
-        optional = (self.publication, self.checkpoints, self.actors, self.ranks, self.authenticator)
+        optional = (self.publication, self.checkpoints, self.actors, self.ranks)
         return own + [x.counters for x in optional if x is not None]
 
     def _server_counters(self) -> dict:
@@ -153,6 +153,8 @@ class Parts:
             "incarnation": self.incarnation,
             "loop_lag_p99_ms": self.loop_lag_s.quantile_ms(0.99),
             "histograms": self.updates.totals.snapshot(),
+            # CURVE handshakes refused for an unlisted key (ops/auth.py); 0 without CURVE
+            "handshakes_refused_key": self.authenticator.handshakes_refused if self.authenticator else 0,
         }
 
     def own_figures(self) -> dict:

@@ -350,7 +350,7 @@ class _AllowedKeys:
     def _admit(self, allowed: dict[bytes, str]) -> None:
         self._allowed_names = dict(allowed)
         self._refused_keys: set[bytes] = set()
-        self.handshakes_refused = 0  # written by the authenticator's thread only
+        self.handshakes_refused = 0  # CURVE handshakes refused for an unlisted key; written by its thread only
         self.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self)
 
     def callback(self, domain: str, z85_client_key: bytes) -> bool:
@@ -362,10 +362,6 @@ class _AllowedKeys:
             self._refused_keys.add(z85_client_key)  # clients retry every reconnect interval: warn once per key
             log.warning("refused a CURVE client with an unlisted public key %s", z85_client_key.decode("ascii"))
         return False
-
-    def counters(self) -> dict:
-        """CURVE handshakes refused because the client's key is not listed (a client retries every reconnect)."""
-        return {"handshakes_refused_key": self.handshakes_refused}
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         """User-Id of an admitted client: its name. pyzmq passes the raw 32-byte key here, not z85."""
