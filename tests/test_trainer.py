@@ -51,32 +51,39 @@ def produce(ring: TrajectoryRing, n: int, stop: threading.Event) -> None:
         ring.commit(1, 0, time.time_ns())
 
 
+def train(learner: Learner, ring: TrajectoryRing, batches: int, **trainer_kw) -> tuple[Trainer, list]:
+    """Run a Trainer on ``ring`` (a producer thread refilling it) until it has trained ``batches`` batches; returns
+    the trainer, stopped, and the updates it handed over."""
+    updates, done, exited = [], threading.Event(), []
+    trainer = Trainer(
+        learner,
+        ring,
+        max_policy_lag=10**9,
+        after_update=lambda update: updates.append(update) or len(updates) >= batches,
+        on_exit=lambda error: (exited.append(error), done.set()),
+        **trainer_kw,
+    )
+    stop = threading.Event()
+    producer = threading.Thread(target=produce, args=(ring, B * batches, stop), daemon=True)
+    trainer.start()
+    producer.start()
+    try:
+        assert done.wait(60), f"trainer did not finish: {len(updates)} batches"
+    finally:
+        stop.set()
+        trainer.stop(10)
+        producer.join(10)
+    assert exited == [None]
+    return trainer, updates
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_every_batch_arrives_whole_and_in_order(device, overlap):
     spec = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
     ring = TrajectoryRing(spec, batch_size=B, num_batches=3, pin_memory=device == "cuda", drop_when_full=False)
     learner = CheckingLearner(LearnerConfig(), spec, torch.device(device))
-    done, exited = threading.Event(), []
-    trainer = Trainer(
-        learner,
-        ring,
-        max_policy_lag=10**9,
-        overlap_copies=overlap,
-        after_update=lambda update: len(learner.seen) >= BATCHES,
-        on_exit=lambda error: (exited.append(error), done.set()),
-    )
-    stop = threading.Event()
-    producer = threading.Thread(target=produce, args=(ring, B * BATCHES, stop), daemon=True)
-    trainer.start()
-    producer.start()
-    try:
-        assert done.wait(60), f"trainer did not finish: {len(learner.seen)} batches"
-    finally:
-        stop.set()
-        trainer.stop(10)
-        producer.join(10)
-    assert exited == [None]
+    train(learner, ring, BATCHES, overlap_copies=overlap)
     assert all(dev == device for _, _, dev in learner.seen)
     assert not [ids for ids, torn, _ in learner.seen if torn], "a batch changed under its copy"
     got = [int(i) for ids, _, _ in learner.seen for i in ids]
@@ -92,26 +99,8 @@ def test_updates_per_batch_learns_each_batch_again_and_counts_its_steps_once():
     ring = TrajectoryRing(spec, batch_size=B, num_batches=3, pin_memory=False, drop_when_full=False)
     cfg = LearnerConfig.of(batch_size=B, updates_per_batch=2).check()
     learner = CheckingLearner(cfg, spec, torch.device("cpu"))
-    batches, updates, done, exited = 10, [], threading.Event(), []
-    trainer = Trainer(
-        learner,
-        ring,
-        max_policy_lag=10**9,
-        after_update=lambda update: updates.append(update) or len(updates) >= batches,
-        on_exit=lambda error: (exited.append(error), done.set()),
-        updates_per_batch=cfg.loss.updates_per_batch,
-    )
-    stop = threading.Event()
-    producer = threading.Thread(target=produce, args=(ring, B * batches, stop), daemon=True)
-    trainer.start()
-    producer.start()
-    try:
-        assert done.wait(60), f"trainer did not finish: {len(learner.seen)} updates"
-    finally:
-        stop.set()
-        trainer.stop(10)
-        producer.join(10)
-    assert exited == [None]
+    batches = 10
+    trainer, updates = train(learner, ring, batches, updates_per_batch=cfg.loss.updates_per_batch)
     seen = [ids for ids, _, _ in learner.seen]
     assert seen[0::2] == seen[1::2], "a batch's two updates saw different trajectories"
     assert [int(i) for ids in seen[0::2] for i in ids] == list(range(B * batches))
