@@ -94,6 +94,7 @@ def test_presets_sit_between_the_defaults_and_the_file(tmp_path):
     layered, _ = configured(["train", "--env", "MinAtar/Breakout-v1", "--entropy-cost", "0.01"])
     assert layered.cfg.loss.batch_size == 8 and layered.layer("batch_size") == "preset:minatar"
     assert layered.cfg.loss.reward_scale == 1.0 and layered.layer("reward_scale") == "preset:minatar"
+    assert layered.cfg.loss.updates_per_batch == 2 and layered.layer("updates_per_batch") == "preset:minatar"
     assert layered.cfg.loss.entropy_cost == 0.01 and layered.layer("entropy_cost") == "flag"
     assert re.search(r"loss.batch_size = 8 +\(preset:minatar\)", layered.describe())
     pong, _ = configured(["train", "--env", "ALE/Pong-v5", "--learning-rate", "3e-4"])

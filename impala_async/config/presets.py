@@ -14,7 +14,8 @@ CLASSIC: dict = {}
 
 # MinAtar's 10x10 planes: rewards of +1 a brick or a fish need no shrinking (CartPole's 0.1 leaves them too small
 # against the entropy bonus), a large entropy bonus annealed tenfold keeps the seeds exploring past the first plateau,
-# and small batches make many updates of a small network (BENCHMARKS.md, section 10: how each value was found).
+# small batches make many updates of a small network, and each batch is learnt twice before its slot is freed (about
+# 1.5x the time a run takes, at most 6 minutes on 2 cores; BENCHMARKS.md, sections 10 and 15: how each value was found).
 MINATAR: dict = {
     "reward_scale": 1.0,
     "entropy_cost": 0.03,
@@ -22,6 +23,7 @@ MINATAR: dict = {
     "learning_rate": 1e-3,
     "batch_size": 8,
     "ring_batches": 16,
+    "updates_per_batch": 2,
 }
 
 # Atari (ALE v5 and NoFrameskip-v4): the IMPALA paper's Atari values (rewards clipped to +-1 and not scaled, entropy
