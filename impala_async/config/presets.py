@@ -3,7 +3,8 @@
 ``--preset auto`` (the default) picks the family from the environment id (:func:`family`); ``--preset none`` applies
 nothing; ``--preset classic|minatar|atari`` picks one by hand. A preset maps flag names to values; the values a run
 took from one are labelled ``preset:<family>`` in LOGDIR/config.json and in the configuration printed at start.
-Where each family's values come from, and what they reached: BENCHMARKS.md, sections 10 (MinAtar) and 14 (Atari).
+Where each family's values come from, and what they reached: BENCHMARKS.md, sections 10, 15 and 16 (MinAtar) and
+14 (Atari).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ CLASSIC: dict = {}
 
 # MinAtar's 10x10 planes: rewards of +1 a brick or a fish need no shrinking (CartPole's 0.1 leaves them too small
 # against the entropy bonus), a large entropy bonus annealed tenfold keeps the seeds exploring past the first plateau,
-# small batches make many updates of a small network, and each batch is learnt twice before its slot is freed (about
-# 1.5x the time a run takes, at most 6 minutes on 2 cores; BENCHMARKS.md, sections 10 and 15: how each value was found).
+# small batches make many updates of a small network, and each batch is learnt twice before its slot is freed (a run
+# takes about 1.5x as long, under 6 minutes on 2 cores). BENCHMARKS.md, sections 10, 15 and 16: how each value was
+# found and what the five games reach with them.
 MINATAR: dict = {
     "reward_scale": 1.0,
     "entropy_cost": 0.03,
