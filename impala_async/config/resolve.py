@@ -1,5 +1,6 @@
 """Resolution: the one step that fills what a config leaves to the run (addresses, logdir, input scale, per-message
-and per-connection limits, the number of local actors, the learner's torch threads), after which nothing changes it.
+and per-connection limits, the number of local actors, the learner's torch threads, the ring's size), after which
+nothing changes it.
 
 It needs two facts about the environment, from one environment built as actors build it (:class:`Probe`), and one
 about the process, its file-descriptor limit (:func:`fit_connections`, per learner rank).
@@ -8,6 +9,7 @@ about the process, its file-descriptor limit (:func:`fit_connections`, per learn
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -71,6 +73,7 @@ def resolve(layered: Layered, *, default_listen: str, probe: Probe, now: float |
         or (cfg.network.receive_hwm_messages + 2) * cfg.limits.max_message_bytes,
         "num_actors": cfg.actors.num_actors if cfg.actors.num_actors != -1 else max(1, usable_cpus() - 1),
         "learner_threads": cfg.run.learner_threads or auto_learner_threads(probe),
+        "ring_batches": cfg.ring.ring_batches or auto_ring_batches(cfg),
         # With 0 (auto), as train's actors send: messages of envs_per_actor trajectories (actors/actor.py does the same)
         "receive_buffer_bytes": cfg.network.receive_buffer_bytes
         or auto_buffer_bytes(cfg.network.receive_hwm_messages, cfg.actors.envs_per_actor, probe.trajectory_nbytes),
@@ -78,6 +81,19 @@ def resolve(layered: Layered, *, default_listen: str, probe: Probe, now: float |
     flat = cfg.flat()
     changed = {k: v for k, v in values.items() if v != flat[k]}
     return layered.over(RESOLVED, changed)
+
+
+AUTO_RING_MIN_BATCHES = 8
+
+
+def auto_ring_batches(cfg) -> int:
+    """Batch slots for ``--ring-batches 0``: room for the batch in training, the backlog pace keeps waiting (at least
+    one message: learner/pacing.py) and two more messages of ``envs_per_actor`` trajectories (a train actor's message)
+    arriving, and at least AUTO_RING_MIN_BATCHES. A ring of 8 batches of 8 holds two such messages of 32 and no more:
+    Pong with ``--batch-size 8`` dropped 8% of what it acted (BENCHMARKS.md, section 14)."""
+    batch, message = cfg.loss.batch_size, cfg.actors.envs_per_actor
+    backlog = max(cfg.ring.pace_target_batches * batch, message) if cfg.ring.flow_control == "pace" else message
+    return max(AUTO_RING_MIN_BATCHES, math.ceil((batch + backlog + 2 * message) / batch))
 
 
 def auto_learner_threads(probe: Probe) -> int:

@@ -313,7 +313,11 @@ class Ring(Section):
 
     NAME = "ring"
     TITLE = "ring and flow control"
-    ring_batches: int = opt(8, "batch slots in the ring buffer (>= 3)")
+    ring_batches: int = opt(
+        0,
+        "batch slots in the ring buffer (>= 3; 0: room for a trained batch, pace's target and two messages of "
+        "envs_per_actor trajectories, at least 8)",
+    )
     when_full: str = opt(
         "drop_oldest",
         "when every ring slot is taken: drop_oldest (the oldest waiting batch) or "
@@ -339,8 +343,8 @@ class Ring(Section):
     def check(self) -> None:
         super().check()
         need(
-            self.ring_batches >= 3,
-            "ring_batches must be >= 3 (one filling, one training, one waiting); with fewer "
+            self.ring_batches == 0 or self.ring_batches >= 3,
+            "ring_batches must be 0 (auto) or >= 3 (one filling, one training, one waiting); with fewer "
             "the receiver and the trainer would wait on each other",
         )
         need(self.max_policy_lag >= 1, "max_policy_lag must be >= 1: 0 would drop everything the actors send")
