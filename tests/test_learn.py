@@ -122,8 +122,8 @@ def test_extreme_inputs_are_clipped_and_a_non_finite_update_is_skipped():
 
 def test_entropy_cost_anneals_linearly_when_asked():
     spec = _spec("CartPole-v1")
-    constant = _learner(spec, entropy_cost=0.03, total_env_steps=1000)
-    annealed = _learner(spec, entropy_cost=0.03, final_entropy_cost=0.003, total_env_steps=1000)
+    constant = _learner(spec, entropy_cost=0.03, schedule_env_steps=1000)
+    annealed = _learner(spec, entropy_cost=0.03, final_entropy_cost=0.003, schedule_env_steps=1000)
     for trained, want in ((0, 0.03), (500, 0.0165), (1000, 0.003), (5000, 0.003)):
         constant.env_steps_trained = annealed.env_steps_trained = trained
         assert constant.entropy_cost() == 0.03
@@ -203,3 +203,32 @@ def test_the_update_takes_a_second_thread_for_images_only():
     assert threads(0, 1.0, (10, 10, 4)) == (1, "resolved")
     assert threads(0, None, (4,)) == (1, "resolved")
     assert threads(3, 1.0, (10, 10, 4)) == (3, "flag")
+
+
+def test_schedules_follow_their_own_horizon_not_the_budget():
+    """A user who stops at 5M or at 50M gets the same learning rate and entropy cost at step 4M: the linear schedules
+    run over ``schedule_env_steps``, and ``total_env_steps`` does not enter them."""
+    spec = _spec("CartPole-v1")
+    kw = dict(learning_rate=6e-4, entropy_cost=0.01, final_entropy_cost=0.001, schedule_env_steps=50_000_000)
+    short, long = (_learner(spec, total_env_steps=n, **kw) for n in (5_000_000, 50_000_000))
+    for trained, lr, entropy in (
+        (0, 6e-4, 0.01),
+        (4_000_000, 6e-4 * 0.92, 0.01 - 0.009 * 0.08),
+        (50_000_000, 0, 0.001),
+    ):
+        short.env_steps_trained = long.env_steps_trained = trained
+        assert short.learning_rate() == long.learning_rate() == pytest.approx(lr, abs=1e-12)
+        assert short.entropy_cost() == long.entropy_cost() == pytest.approx(entropy)
+    constant = _learner(spec, learning_rate=6e-4, lr_schedule="constant", schedule_env_steps=1000)
+    constant.env_steps_trained = 10**9
+    assert constant.learning_rate() == 6e-4
+
+
+def test_a_linear_rate_that_would_reach_zero_before_the_budget_is_warned_of():
+    assert LearnerConfig.of(total_env_steps=5_000_000, schedule_env_steps=5_000_000).warnings() == []
+    assert LearnerConfig.of(total_env_steps=9_000_000, schedule_env_steps=1000, lr_schedule="constant").warnings() == []
+    (warning,) = LearnerConfig.of(total_env_steps=9_000_000, schedule_env_steps=5_000_000).warnings()
+    assert "5,000,000" in warning and "--schedule-env-steps" in warning and "--lr-schedule constant" in warning
+    for bad in ({"schedule_env_steps": 0}, {"rmsprop_eps": 0.0}, {"adam_eps": float("inf")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            LearnerConfig.of(**bad).check()

@@ -75,6 +75,18 @@ class LearnerConfig:
             getattr(self, f.name).check()
         return self
 
+    def warnings(self) -> list[str]:
+        """What a valid configuration does that its user may not mean, one line each (the learner logs them)."""
+        loss, total = self.loss, self.run.total_env_steps
+        out = []
+        if loss.lr_schedule == "linear" and total > loss.schedule_env_steps:
+            out.append(
+                f"lr_schedule linear reaches a learning rate of 0 at schedule_env_steps = {loss.schedule_env_steps:,}, "
+                f"before total_env_steps = {total:,}: the rest of the run will not learn (raise --schedule-env-steps "
+                "to the budget, or choose --lr-schedule constant)"
+            )
+        return out
+
     @property
     def local_actors(self) -> int:
         n = self.actors.num_actors

@@ -17,8 +17,11 @@ CLASSIC: dict = {}
 # against the entropy bonus), a large entropy bonus annealed tenfold keeps the seeds exploring past the first plateau,
 # small batches make many updates of a small network, and each batch is learnt twice before its slot is freed (a run
 # takes about 1.5x as long, under 6 minutes on 2 cores). BENCHMARKS.md, sections 10, 15 and 16: how each value was
-# found and what the five games reach with them.
+# found and what the five games reach with them. They were found with the schedules' horizon at the 5M-step budget and
+# without an active gradient clip (the clip of 40 was then on the mean loss, where it never fired: section 17).
 MINATAR: dict = {
+    "max_grad_norm": 0.0,
+    "schedule_env_steps": 5_000_000,
     "reward_scale": 1.0,
     "entropy_cost": 0.03,
     "final_entropy_cost": 0.003,
@@ -29,9 +32,12 @@ MINATAR: dict = {
 }
 
 # Atari (ALE v5 and NoFrameskip-v4): the IMPALA paper's Atari values (rewards clipped to +-1 and not scaled, entropy
-# 0.01, learning rate 6e-4 decayed linearly to 0), with Adam, whose step does not depend on the loss being a mean over
-# B x T where torchbeast's RMSprop (epsilon 0.01) sums it.
+# 0.01, learning rate 6e-4 decayed linearly to 0 over the paper's 200M frames, 50M agent steps), with Adam. No
+# gradient clip: Pong's runs of BENCHMARKS.md section 14 had none in effect (40 on the mean loss never fired); the
+# paper's clip is an A/B of section 17.
 ATARI: dict = {
+    "max_grad_norm": 0.0,
+    "schedule_env_steps": 50_000_000,
     "reward_clip": 1.0,
     "reward_scale": 1.0,
     "entropy_cost": 0.01,

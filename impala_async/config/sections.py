@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from .fields import Section, at_least, finite, need, opt, positive
+from .fields import Section, at_least, finite, finite_positive, need, opt, positive
 
 MODEL_CHOICES = ("auto", "mlp", "shallow", "minatar", "deep")
 CURRICULA = ("none", "linear")  # the schedules of learner/curriculum.py, and none
@@ -232,13 +232,28 @@ class Loss(Section):
     )
     learning_rate: float = opt(1e-3, "initial learning rate")
     lr_schedule: str = opt(
-        "linear", "linear (decay to 0 at total_env_steps) or constant", choices=("linear", "constant")
+        "linear",
+        "linear (decay to 0 at schedule_env_steps, whatever the run's budget) or constant",
+        choices=("linear", "constant"),
     )
-    adam_eps: float = opt(1e-5, "Adam epsilon")
+    schedule_env_steps: int = opt(
+        1_000_000,
+        "horizon of the linear schedules, independent of total_env_steps: the learning rate (lr_schedule linear) "
+        "reaches 0 and the entropy cost final_entropy_cost at this many env steps trained",
+    )
+    adam_eps: float = opt(1e-5, "Adam epsilon, on the loss's mean over the batch (CleanRL's 1e-5)")
     rmsprop_alpha: float = opt(0.99, "RMSprop smoothing constant")
-    rmsprop_eps: float = opt(0.01, "RMSprop epsilon")
+    rmsprop_eps: float = opt(
+        0.01,
+        "RMSprop epsilon in the IMPALA paper's unit, the loss summed over the batch's B x T steps (the paper's and "
+        "torchbeast's 0.01; the update uses it divided by B x T, since its loss is the mean)",
+    )
     rmsprop_momentum: float = opt(0.0, "RMSprop momentum")
-    max_grad_norm: float = opt(40.0, "clip the global gradient norm to this (0: no clipping)")
+    max_grad_norm: float = opt(
+        40.0,
+        "clip the global gradient norm to this in the IMPALA paper's unit, the gradient of the loss summed over the "
+        "batch's B x T steps (the paper's 40; the mean loss's gradient is clipped at this / (B x T)); 0: no clipping",
+    )
     precision: str = opt(
         "fp32",
         "fp32, or bf16: the network's forward pass under bf16 autocast (importance weights, "
@@ -249,7 +264,7 @@ class Loss(Section):
     final_entropy_cost: float = opt(
         -1.0,
         "anneal the entropy bonus linearly from entropy_cost to this at "
-        "total_env_steps (-1: no annealing, entropy_cost throughout)",
+        "schedule_env_steps (-1: no annealing, entropy_cost throughout)",
     )
     baseline_cost: float = opt(0.5, "weight of the baseline (value) loss")
     reward_clip: float = opt(0.0, "clip rewards to [-x, x] before learning (0: no clipping)")
@@ -274,7 +289,7 @@ class Loss(Section):
 
     def check(self) -> None:
         super().check()
-        at_least(self, 1, "batch_size", "updates_per_batch")
+        at_least(self, 1, "batch_size", "updates_per_batch", "schedule_env_steps")
         need(
             self.precision in ("fp32", "bf16"),
             f"precision must be fp32 or bf16, got {self.precision!r} (fp16 would "
@@ -300,6 +315,7 @@ class Loss(Section):
         need(0.0 <= self.vtrace_lambda <= 1.0, "vtrace_lambda must lie in [0, 1]: above 1 the traces explode")
         need(self.baseline_cost > 0, "baseline_cost must be > 0: without a trained baseline V-trace targets are noise")
         positive(self, "max_abs_reward", "max_abs_truncation_value", "max_abs_logit", "max_abs_obs")
+        finite_positive(self, "adam_eps", "rmsprop_eps")
 
     @staticmethod
     def threshold(x: float) -> float | None:

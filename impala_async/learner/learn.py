@@ -60,7 +60,6 @@ class _Unroll(torch.nn.Module):
 class Learner:
     def __init__(self, cfg: LearnerConfig, spec: TrajectorySpec, device: torch.device):
         self.hp = cfg.loss
-        self.total_env_steps = cfg.run.total_env_steps
         self.spec = spec
         self.device = device
         self.model_config = model_config(cfg).resolved(spec)
@@ -70,6 +69,7 @@ class Learner:
                 f"has an LSTM core of {self.model_config.lstm_size}"
             )
         self.model = build_model(spec, self.model_config).to(device)
+        self.world = 1  # learner ranks training in lock step
         self.optimizer = self._optimizer()
         self.env_steps_trained = 0
         self.updates = 0
@@ -79,7 +79,6 @@ class Learner:
         # The network's forward pass over a batch: the model's unroll, or with several learner ranks the same through
         # DistributedDataParallel (distribute()), which all-reduces the gradients during backward.
         self.forward = self.model.unroll
-        self.world = 1  # learner ranks training in lock step
         self.applying = False  # True while the optimizer changes the weights (a checkpoint then would be torn)
         self.apply_lock = threading.Lock()  # held while it does, and while a checkpoint reads them
         self.stop_requested = False  # rank 0: make the next update every rank's last (ranks.py)
@@ -92,10 +91,22 @@ class Learner:
             params,
             lr=hp.learning_rate,
             alpha=hp.rmsprop_alpha,
-            eps=hp.rmsprop_eps,
+            eps=self.per_step(hp.rmsprop_eps),
             momentum=hp.rmsprop_momentum,
             **self.switches,
         )
+
+    @property
+    def steps_per_update(self) -> int:
+        """``B x T`` x ranks: the env steps whose losses one update averages (the IMPALA paper sums them)."""
+        return self.hp.batch_size * self.spec.unroll_length * self.world
+
+    def per_step(self, paper_value: float) -> float:
+        """A gradient-scale value in the paper's unit (the loss summed over the batch's steps: the gradient-norm
+        clip, RMSprop's epsilon) in this loss's unit, the mean: the gradient of a sum over N steps is N times the
+        gradient of their mean, so clipping the mean's gradient at ``c / N`` and RMSprop on it with ``eps / N`` are
+        the paper's clip at ``c`` and RMSprop with ``eps``, exactly."""
+        return paper_value / self.steps_per_update
 
     @property
     def switches(self) -> dict:
@@ -114,6 +125,9 @@ class Learner:
 
         self.forward = DistributedDataParallel(_Unroll(self.model), device_ids=device_ids)
         self.world = dist.get_world_size()
+        if self.hp.optimizer == "rmsprop":  # the gradient is now the mean over every rank's steps
+            for group in self.optimizer.param_groups:
+                group["eps"] = self.per_step(self.hp.rmsprop_eps)
 
     def counters(self) -> dict:
         return {
@@ -123,18 +137,22 @@ class Learner:
             "inputs_clipped": self.inputs_clipped,
         }
 
+    def schedule_progress(self) -> float:
+        """How far training is along the linear schedules' horizon, ``schedule_env_steps``: 0 to 1 (and 1 after it),
+        the same at a given step whatever the run's budget (``total_env_steps``)."""
+        return min(1.0, self.env_steps_trained / self.hp.schedule_env_steps)
+
     def learning_rate(self) -> float:
         if self.hp.lr_schedule == "constant":
             return self.hp.learning_rate
-        return self.hp.learning_rate * max(0.0, 1.0 - self.env_steps_trained / self.total_env_steps)
+        return self.hp.learning_rate * (1.0 - self.schedule_progress())
 
     def entropy_cost(self) -> float:
-        """``entropy_cost``, or with ``final_entropy_cost`` >= 0 linearly from it to that at ``total_env_steps``."""
+        """``entropy_cost``, or with ``final_entropy_cost`` >= 0 linearly from it to that at ``schedule_env_steps``."""
         hp = self.hp
         if hp.final_entropy_cost < 0:
             return hp.entropy_cost
-        progress = min(1.0, self.env_steps_trained / self.total_env_steps)
-        return hp.entropy_cost + (hp.final_entropy_cost - hp.entropy_cost) * progress
+        return hp.entropy_cost + (hp.final_entropy_cost - hp.entropy_cost) * self.schedule_progress()
 
     def step(self, batch: dict[str, torch.Tensor], *, count_steps: bool = True) -> dict:
         """One update from a ring batch of ``B`` trajectories (loss.inputs says its layout); ``count_steps=False``
@@ -176,8 +194,9 @@ class Learner:
             if self.world == 1:
                 raise
             raise CollectiveError(f"collective between learner ranks failed: {str(e)[:300]}") from e
-        max_norm = self.hp.max_grad_norm if self.hp.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        max_norm = self.per_step(self.hp.max_grad_norm) if self.hp.max_grad_norm > 0 else float("inf")
+        # reported in the clip's unit, the paper's: the norm of the summed loss's gradient
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm) * self.steps_per_update
         self.env_steps_trained += batch_steps * self.world  # the whole learner's: every rank trained such a batch
         # A batch whose loss or gradient is not finite would turn every weight into NaN: skip the update.
         skipped, last = torch.stack([(flags[0] > 0) | ~torch.isfinite(grad_norm), flags[1] > 0]).tolist()
@@ -217,8 +236,10 @@ class Learner:
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
-        saved = state["optimizer"]  # its groups' switches are those of the learner that saved it: ours apply
-        ours = {k: v for k, v in self.optimizer.defaults.items() if k in SWITCH_KEYS}
+        # Its groups' switches and epsilon are those of the learner that saved it: this configuration's apply (the
+        # learning rate is set at every update).
+        saved = state["optimizer"]
+        ours = {k: v for k, v in self.optimizer.param_groups[0].items() if k in (*SWITCH_KEYS, "eps")}
         groups = [{**g, **ours} for g in saved["param_groups"]]
         self.optimizer.load_state_dict({**saved, "param_groups": groups})
         self.env_steps_trained = int(state["env_steps_trained"])

@@ -163,6 +163,8 @@ def run(
         group.cfg = cfg
     if group is None or group.rank == 0:
         log.info("%s", layered.describe())
+        for warning in cfg.warnings():
+            log.warning("%s", warning)
         layered.write(cfg.run.logdir, command)
     return _serve(layered, spec, env_backend, device, keys, resumed, group, start_monotonic)
 

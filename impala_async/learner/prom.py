@@ -84,7 +84,11 @@ INTERVAL_GAUGES = {
     "loss_pg": ("loss_pg", "policy-gradient loss, mean over the last report interval's updates"),
     "loss_baseline": ("loss_baseline", "baseline loss 0.5*mean((v_s - V)^2), mean over the last interval's updates"),
     "entropy": ("entropy_nats", "mean policy entropy over the last interval's updates"),
-    "grad_norm": ("grad_norm", "global gradient norm before clipping, mean over the last interval's updates"),
+    "grad_norm": (
+        "grad_norm",
+        "global gradient norm before clipping (of the loss summed over B x T steps), mean over the last interval's "
+        "updates",
+    ),
     "rho_mean": ("rho_mean_ratio", "mean importance weight pi/mu (unclipped) over the last interval's updates"),
     "rho_clipped_frac": ("rho_clipped_ratio", "share of importance weights above rho-bar, last interval"),
     "rho_far_frac": ("rho_far_ratio", "share of importance weights outside [1/2, 2], last interval"),
