@@ -1,0 +1,132 @@
+"""tools/ab.py, the A/B harness: its figures against metrics written by hand, and the real tool driving real `train`
+runs (tiny CartPole arms), resumable and with its table checked against the runs' own metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "ab.py"
+spec = importlib.util.spec_from_file_location("ab", TOOL)
+ab = importlib.util.module_from_spec(spec)
+sys.modules["ab"] = ab  # dataclasses look their module up while the file runs
+spec.loader.exec_module(ab)
+
+TINY = {
+    "env": "CartPole-v1",
+    "num_actors": 1,
+    "envs_per_actor": 4,
+    "unroll_length": 10,
+    "batch_size": 4,
+    "report_interval_s": 0.2,
+}
+
+
+def write_experiment(path: Path, seeds=(0, 1), **extra) -> Path:
+    lines = [
+        'name = "tiny"',
+        f"seeds = {list(seeds)}",
+        "total_env_steps = 3000",
+        "checkpoints = [0.5]",
+        "threshold = 15.0",
+        "flags = { " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in TINY.items()) + " }",
+        *(f"{k} = {json.dumps(v)}" for k, v in extra.items()),
+        "[arms.fast]",
+        "learning_rate = 0.003",
+        "[arms.slow]",
+        "learning_rate = 0.0001",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def fake_run(logdir: Path, returns: list[float | None], steps_each: int = 100, wall_each_s: float = 2.0) -> Path:
+    logdir.mkdir(parents=True)
+    rows = [
+        {"wall_s": wall_each_s * (i + 1), "env_steps": steps_each * (i + 1), "episode_return_mean": r}
+        for i, r in enumerate(returns)
+    ]
+    (logdir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    record = {"wall_s": wall_each_s * len(returns) + 3, "load_at_start": 0.1, "exit_code": 0}
+    (logdir / "ab-run.json").write_text(json.dumps(record))
+    return logdir
+
+
+def test_figures_of_one_run(tmp_path):
+    exp = ab.Experiment.load(write_experiment(tmp_path / "e.toml"))  # budget 3000, checkpoint at 1500, threshold 15
+    returns = [None, 5.0, 10.0, 16.0, 12.0] + [20.0] * 25  # 30 reports of 100 steps: 3000 steps
+    figures = ab.run_figures(exp, fake_run(tmp_path / "r", returns))
+    assert figures["final"] == 20.0
+    assert figures["at"] == [20.0], "the last report at or before 1500 steps (the 15th)"
+    assert figures["steps_to_threshold"] == 400 and figures["wall_to_threshold_s"] == 8.0, "the first >= 15"
+    assert figures["env_steps_per_s"] == pytest.approx(3000 / 60)
+    short = ab.run_figures(exp, fake_run(tmp_path / "short", [1.0] * 10))  # stopped at 1000 steps
+    assert short["at"] == [None] and short["steps_to_threshold"] is None, "a run never got to 1500 steps or 15"
+
+
+def test_every_problem_of_an_experiment_file_is_reported_at_once(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\nseeds = []\ncheckpoints = [1.5]\nstop_at_threshold = true\ncolour = "red"\n')
+    with pytest.raises(ValueError) as e:
+        ab.Experiment.load(bad)
+    for words in ("unknown key 'colour'", "total_env_steps is required", "arms must be", "seeds must", "checkpoints"):
+        assert words in str(e.value), words
+    assert "stop_at_threshold needs a threshold" in str(e.value)
+    out = subprocess.run([sys.executable, str(TOOL), str(bad)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown key 'colour'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_layers_become_the_command_line_in_order(tmp_path):
+    (tmp_path / "base.toml").write_text("batch_size = 8\n")
+    exp = ab.Experiment.load(write_experiment(tmp_path / "e.toml", config="base.toml"))
+    cmd = ab.command(exp, "slow", 1, tmp_path / "slow" / "s1")
+    assert cmd[cmd.index("--config") + 1] == str(tmp_path / "base.toml")
+    assert cmd.index("--config") < cmd.index("--env") < cmd.index("--learning-rate"), "file, shared flags, arm"
+    assert cmd[cmd.index("--learning-rate") + 1] == "0.0001" and cmd[-6:-4] == ["--total-env-steps", "3000"]
+    assert [(a, s) for a, s, _ in ab.planned(exp, tmp_path)] == [("fast", 0), ("slow", 0), ("fast", 1), ("slow", 1)]
+
+
+def test_the_table_gives_median_and_range_over_each_arms_seeds(tmp_path):
+    exp = ab.Experiment.load(write_experiment(tmp_path / "e.toml"))
+    out = tmp_path / "ab"
+    finals = {("fast", 0): 20.0, ("fast", 1): 30.0, ("slow", 0): 4.0}  # slow seed 1 not run yet
+    for (arm, seed), final in finals.items():
+        fake_run(out / arm / f"s{seed}", [None] + [final] * 29)
+    summary = ab.summarise(exp, out)
+    assert summary["fast"]["final"] == {"median": 25.0, "min": 20.0, "max": 30.0, "n": 2}
+    assert summary["fast"]["steps_to_threshold"]["n"] == 2 and summary["slow"]["steps_to_threshold"]["n"] == 0
+    text = ab.table(exp, summary)
+    assert "| fast | 2 | 25.0 [20.0, 30.0] | 25.0 [20.0, 30.0] | 0.00 [0.00, 0.00] (2/2)" in text, text
+    assert "| slow | 1 | 4.0 | 4.0 | - (0/1)" in text, text
+
+
+def test_the_tool_runs_the_arms_and_reports_what_their_metrics_say(tmp_path):
+    """Two real arms side by side (--parallel 2), one seed each; a second invocation runs nothing again."""
+    experiment = write_experiment(tmp_path / "tiny.toml", seeds=(3,))
+    out = tmp_path / "ab"
+    args = [sys.executable, str(TOOL), str(experiment), "--out", str(out), "--parallel", "2"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = {arm: out / "tiny" / arm / "s3" for arm in ("fast", "slow")}
+    summary = json.loads((out / "tiny" / "summary.json").read_text())
+    for arm, logdir in runs.items():
+        record = json.loads((logdir / "ab-run.json").read_text())
+        assert record["exit_code"] == 0 and record["seed"] == 3, (logdir / "train.log").read_text()[-2000:]
+        config = json.loads((logdir / "config.json").read_text())
+        flat = {k: v for section in config["config"].values() for k, v in section.items()}
+        assert flat["learning_rate"] == {"fast": 0.003, "slow": 0.0001}[arm] and flat["seed"] == 3
+        rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+        final = [r["episode_return_mean"] for r in rows if r["episode_return_mean"] is not None][-1]
+        assert summary[arm]["final"]["median"] == pytest.approx(final), "the table's figure is the run's own"
+    table = (out / "tiny" / "summary.md").read_text()
+    assert "| fast | 1" in table and "| slow | 1" in table and "final return" in table
+
+    before = {arm: (d / "metrics.jsonl").stat().st_mtime for arm, d in runs.items()}
+    again = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "2 runs done, 0 to go" in again.stdout, again.stdout
+    assert before == {arm: (d / "metrics.jsonl").stat().st_mtime for arm, d in runs.items()}, "a run ran again"
