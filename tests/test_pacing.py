@@ -306,3 +306,15 @@ def test_the_weights_message_carries_the_pace():
         msg["pace_s_per_trajectory"] = bad
         with pytest.raises(wire.Rejected, match="pace_s_per_trajectory"):
             wire.decode_weights(msgpack.packb(msg, use_bin_type=True), 1 << 20)
+
+
+def test_a_slow_learner_paces_an_actor_of_large_messages():
+    """Pong on two slow cores, as measured: one actor of 128 environments (an unroll of 128 trajectories in 5.5 s,
+    twice what the learner takes) and a learner taking a batch of 32 every 2.5 s. Messages come further apart than
+    the 5-s window, and so do batches: the actor must still count as a sender between its messages, and the rate
+    must still be known between batches, or the pace falls to 0 and the surplus is acted only to be dropped."""
+    paced = simulate(True, [5.5], 128, 2.5, batch=32, capacity=416, seconds=600.0, dt=0.005)
+    free = simulate(False, [5.5], 128, 2.5, batch=32, capacity=416, seconds=600.0, dt=0.005)
+    assert free["dropped_fraction"] > 0.3, free
+    assert paced["dropped_fraction"] < 0.03, paced
+    assert paced["starved_fraction"] < 0.05, paced

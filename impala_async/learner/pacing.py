@@ -11,9 +11,11 @@ socket buffers and the policy lag grows with every queued message. Pacing instea
 
     pace = senders / (consumed_per_s * factor),   factor = clip(1 + gain * (target - waiting) / target, lo, hi)
 
-``senders``: actors whose messages were accepted in the window; ``consumed_per_s``: trajectories the trainer took per
-second; ``waiting``: trajectories accepted and not yet taken; ``target``: how many the learner wants waiting, so it
-never waits for data (``pace_target_batches`` batches). Every actor that keeps the pace then produces
+``senders``: actors whose messages were accepted in the window (or within four of their own intervals at the pace,
+for an actor that sends less often); ``consumed_per_s``: trajectories the trainer took per second (over the window's
+batches, or the last two where the window holds fewer); ``waiting``: trajectories accepted and not yet taken;
+``target``: how many the learner wants waiting, so it never waits for data (``pace_target_batches`` batches). Every
+actor that keeps the pace then produces
 ``consumed_per_s * factor / senders`` trajectories a second, whatever its number of environments, and all of them
 together produce what training consumes, a little more while fewer than ``target`` wait and less while more do; an
 actor that is slower than its share leaves the others a larger one through ``factor``. Actors that are slower than
@@ -60,7 +62,8 @@ class Pacer:
         self.max_pace = float(max_pace_s_per_trajectory)
         self.max_senders = max_tracked_senders
         self._lock = threading.Lock()
-        self._senders: collections.OrderedDict[str, float] = collections.OrderedDict()  # actor -> last accepted at
+        # actor -> (when its last message was accepted, its trajectories), oldest first
+        self._senders: collections.OrderedDict[str, tuple[float, int]] = collections.OrderedDict()
         self._consumed: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic time, trajectories)
         # Trajectories of the messages accepted within the window (time, n): the largest recent message, not the
         # largest ever (one 256-trajectory message must not raise the target for the rest of the run).
@@ -96,7 +99,7 @@ class Pacer:
         now = time.monotonic() if now is None else now
         with self._lock:
             self._sizes.append((now, trajectories))
-            self._senders[actor] = now
+            self._senders[actor] = (now, trajectories)
             self._senders.move_to_end(actor)
             if len(self._senders) > self.max_senders:
                 self._senders.popitem(last=False)
@@ -120,15 +123,17 @@ class Pacer:
 
     def _forget(self, now: float) -> None:
         horizon = now - self.window_s
-        while self._consumed and self._consumed[0][0] < horizon:
+        # The window's batches, but the last two always: a learner slower than a batch a window still has a rate
+        # (which falls as the time since them grows, so a learner that stopped advertises a slower and slower one).
+        while len(self._consumed) > 2 and self._consumed[0][0] < horizon:
             self._consumed.popleft()
         while self._sizes and self._sizes[0][0] < horizon:  # the window's messages only: none outlives it
             self._sizes.popleft()
-        # An actor keeping a slow pace sends less often than the window: it still counts for a few of its intervals.
-        horizon = now - max(self.window_s, 4 * self.ranks * self.pace_s_per_trajectory * self._largest())
+        # An actor keeping a slow pace sends less often than the window: it still counts for a few of its intervals,
+        # reckoned from its own last message (an actor of 128 environments sends 128 trajectories at a time).
         while self._senders:
-            actor, at = next(iter(self._senders.items()))
-            if at >= horizon:
+            actor, (at, n) = next(iter(self._senders.items()))
+            if at >= now - max(self.window_s, 4 * self.ranks * self.pace_s_per_trajectory * n):
                 break
             del self._senders[actor]
 
