@@ -161,12 +161,31 @@ def run(
     cfg = layered.cfg
     if group is not None:
         group.cfg = cfg
+    lock = None
     if group is None or group.rank == 0:
+        lock = lock_logdir(cfg.run.logdir)  # before anything is written there
         log.info("%s", layered.describe())
         for warning in cfg.warnings():
             log.warning("%s", warning)
         layered.write(cfg.run.logdir, command)
-    return _serve(layered, spec, env_backend, device, keys, resumed, group, start_monotonic)
+    try:
+        return _serve(layered, spec, env_backend, device, keys, resumed, group, start_monotonic)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def lock_logdir(logdir: str):
+    """The run directory's lock (learner/rundir.py), or SystemExit in one line: another learner holds it, or the
+    directory cannot be made or written."""
+    from .rundir import LogdirInUse, RunDirLock
+
+    try:
+        return RunDirLock(logdir)
+    except LogdirInUse as e:
+        raise SystemExit(f"impala-async: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"impala-async: cannot use the logdir {logdir} (--logdir): {e.strerror or e}") from None
 
 
 def _serve(
