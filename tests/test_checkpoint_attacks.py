@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,6 +101,41 @@ def test_two_checkpoints_refused_alike_are_not_set_aside(good_run, tmp_path):
     with pytest.raises(ValueError, match="refused alike"):
         checkpoint.load_latest(run, validate=checkpoint.validate_learner_state, quarantine=True)
     assert first.exists() and second.exists() and not list(run.glob("*.bad"))
+
+
+def damage(run: Path, how: str, count: int) -> list[Path]:
+    """``count`` copies of ``run``'s good checkpoint, each newer than it, truncated to half or emptied, as a disk
+    that filled up or a killed copy leaves them; their paths, newest first."""
+    good, steps = newest_good(run)
+    data = good.read_bytes()
+    paths = [checkpoint.checkpoint_path(run, steps + 10 * (count - i)) for i in range(count)]
+    for path in paths:
+        path.write_bytes(data[: len(data) // 2] if how == "truncated" else b"")
+    return paths
+
+
+@pytest.mark.parametrize("how,count", [("truncated", 2), ("emptied", 2), ("truncated", 3)])
+def test_any_number_of_damaged_checkpoints_are_set_aside(good_run, tmp_path, how, count):
+    """Damage is damage however often it repeats: two (or three of four) truncated or emptied newest checkpoints
+    used to be taken for a version change ("refused alike") and stopped the resume."""
+    run = tmp_path / "run"
+    shutil.copytree(good_run, run)
+    good, _ = newest_good(run)
+    damaged = damage(run, how, count)
+    found = checkpoint.load_latest(run, validate=checkpoint.validate_learner_state, quarantine=True)
+    assert found is not None and found[1] == good
+    assert sorted(p.name for p in run.glob("*.bad")) == sorted(p.name + ".bad" for p in damaged)
+
+
+def test_resume_falls_back_past_damaged_checkpoints(good_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(good_run, run)
+    _, good_steps = newest_good(run)
+    damaged = damage(run, "truncated", 2)
+    log = tmp_path / "resume.log"
+    figures = resume_dir(run, good_steps, damaged, log, TIMEOUT_S)
+    assert figures["outcome"] == "served" and figures["resumed_previous"], (figures, log.read_text()[-3000:])
+    assert figures["set_aside"] and not figures["traceback"], figures
 
 
 def test_a_checkpoint_of_an_older_version_is_skipped_not_set_aside(good_run, tmp_path):

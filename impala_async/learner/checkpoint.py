@@ -147,28 +147,37 @@ def load_latest(
 
     ``quarantine`` (a run about to resume) sets each skipped file aside (:func:`set_aside`): left in place, a bad
     checkpoint would count among the newest ``keep`` and have the resumed run's good ones pruned instead, and the next
-    resume would meet it again. But two in a row refused for the same reason is no damage to either file: this version
-    or this machine refuses them all (a check a new version added, a field whose default changed), and setting each
-    aside would set aside the whole run. Then the first is put back, and ValueError names the reason."""
-    failed: tuple[Path, Path | None, str] | None = None  # (path, set aside as, reason) of the last one refused
+    resume would meet it again. A file that does not load (empty, truncated, corrupt) is damaged, whatever the number
+    of them: set aside, and the walk goes on. But two whole files in a row that ``validate`` refuses for the same
+    reason are no damage: this version or this machine refuses them all (a check a new version added, a field whose
+    default changed), and setting each aside would set aside the whole run. Then the first is put back, and
+    ValueError names the reason."""
+    refused: tuple[Path, Path | None, str] | None = None  # (path, set aside as, reason) of the last whole file refused
     for path in reversed(list_checkpoints(directory)):
         try:
             state = load(path, max_bytes, map_location)
+        except Exception as e:  # truncated, corrupt, oversized or not a checkpoint at all: damaged
+            log.warning("skipping checkpoint %s (damaged): %s: %s", path, type(e).__name__, str(e)[:300])
+            if quarantine:
+                set_aside(path)
+            continue
+        try:
             if validate is not None:
                 validate(state)
             return state, path
-        except Exception as e:  # truncated, corrupt, oversized, malformed or non-finite: the previous one
+        except Exception as e:  # malformed or non-finite, or refused by this version: the previous one
             reason = f"{type(e).__name__}: {str(e)[:300]}"
             log.warning("skipping checkpoint %s: %s", path, reason)
-            if quarantine and failed is not None and failed[2] == reason:
-                if failed[1] is not None:
-                    put_back(failed[0])
+            if quarantine and refused is not None and refused[2] == reason:
+                if refused[1] is not None:
+                    put_back(refused[0])
                 raise ValueError(
-                    f"checkpoints {failed[0].name} and {path.name} are refused alike ({reason}): this version or "
-                    f"this machine refuses them, no damage to either; none set aside"
+                    f"checkpoints {refused[0].name} and {path.name} are whole and refused alike ({reason}): this "
+                    f"version or this machine refuses them (written by another version?), no damage to either; none "
+                    f"set aside"
                 ) from None
             damage = getattr(e, "damage", True)  # False: another version's file, refused by this one (statecheck)
-            failed = (path, set_aside(path) if quarantine and damage else None, reason)
+            refused = (path, set_aside(path) if quarantine and damage else None, reason)
     return None
 
 
