@@ -370,7 +370,11 @@ def main(argv=None) -> int:
         format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # before the command's own signal handlers (its startup): no traceback
+        print("impala-async: interrupted", file=sys.stderr)
+        return exitcodes.FORCED
 
 
 if __name__ == "__main__":

@@ -117,14 +117,20 @@ def save(directory: Path, state: dict, env_steps: int, keep: int = 3) -> Path:
 
 
 def remove_partial(directory: Path) -> int:
-    """Delete temporary files a killed writer left behind. Returns how many."""
+    """Delete temporary files a killed writer left behind. Returns how many held part of a checkpoint: the writer
+    opens its next file in advance, so a learner killed between checkpoints leaves an empty one, which is no news."""
     directory = Path(directory)
     if not directory.is_dir():
         return 0
     stale = [p for p in directory.iterdir() if p.name.startswith(_TMP_PREFIX) and p.name.endswith(_TMP_SUFFIX)]
+    partial = 0
     for p in stale:
+        try:
+            partial += p.lstat().st_size > 0
+        except OSError:
+            pass
         p.unlink(missing_ok=True)
-    return len(stale)
+    return partial
 
 
 def list_checkpoints(directory: Path) -> list[Path]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -253,11 +254,22 @@ def read_metrics(path: Path | None) -> list[dict]:
     return rows
 
 
+def _ends_a_line(path: Path) -> bool:
+    """Whether ``path`` is empty or ends with a newline."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 class MetricsWriter:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed by close(), in the server's shutdown)
+        if not _ends_a_line(self.path):  # a line torn by a killed writer: the first record starts a line of its own
+            self._file.write("\n")
 
     def write(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

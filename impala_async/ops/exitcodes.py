@@ -16,7 +16,7 @@ RANK_FAILED = 6  # learner: a learner rank died, failed or hung (README, Several
 ACTORS_FAILED = 7  # learner: every local actor failed more than --max-actor-restarts times in a row
 NO_CHECKPOINT = 8  # learner: the final checkpoint could not be written
 RUN_CHANGED = 9  # actor: a restarted learner runs something this actor cannot act in (docs/protocol.md)
-FORCED = 130  # a second Ctrl-C, or a shutdown longer than --shutdown-timeout-s
+FORCED = 130  # a second Ctrl-C, a Ctrl-C during startup, or a shutdown longer than --shutdown-timeout-s
 
 TABLE = (
     (OK, "the run ended as asked (steps reached, a signal, or the actor stopped)"),
@@ -29,7 +29,7 @@ TABLE = (
     (ACTORS_FAILED, "learner: every local actor failed more than --max-actor-restarts times in a row"),
     (NO_CHECKPOINT, "learner: the final checkpoint could not be written"),
     (RUN_CHANGED, "actor: a restarted learner runs something this actor cannot act in"),
-    (FORCED, "forced exit: a second Ctrl-C, or a shutdown longer than --shutdown-timeout-s"),
+    (FORCED, "forced exit: a second Ctrl-C, a Ctrl-C during startup, or a shutdown past --shutdown-timeout-s"),
 )
 
 
