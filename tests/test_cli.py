@@ -246,3 +246,27 @@ def test_image_path_learns(tmp_path):
         )
     finally:
         stop(proc)
+
+
+def test_the_learner_has_room_for_the_largest_message_it_accepts(tmp_path):
+    """An honest actor of 256 environments sends 256 trajectories at once, within the limit the learner advertises
+    (max_trajectories_per_message 256). The `learner` command used to size its ring for train's 32-environment actors
+    (8 slots of 16: 128 trajectories), so half of every such message was dropped as soon as it arrived."""
+    port = free_port_pair()
+    logdir, llog, alog = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actor.log"
+    learner = cli(
+        "learner", "--env", "CartPole-v1", "--listen", f"tcp://127.0.0.1:{port}", "--unroll-length", "10",
+        "--total-env-steps", "40000", "--report-interval-s", "0.5", "--logdir", str(logdir), log=llog,
+    )  # fmt: skip
+    actor = None
+    try:
+        wait_for(lambda: "listening" in llog.read_text(), 60, "learner start", learner, llog)
+        actor = cli("actor", "--learner", f"tcp://127.0.0.1:{port}", "--envs-per-actor", "256", log=alog)
+        assert learner.wait(180) == 0, tail(llog) + tail(alog)
+        last = read_metrics(logdir)[-1]
+        assert last["env_steps_trained"] >= 40000 and last["trajectories_received"] >= 16 * 256
+        assert last["dropped_full"] == 0, (last["dropped_full"], last["trajectories_received"])
+    finally:
+        stop(learner)
+        if actor is not None:
+            stop(actor)

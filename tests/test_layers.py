@@ -130,9 +130,9 @@ def test_a_resolved_config_is_frozen_and_resolution_fills_only_what_was_left_to_
     assert got.limits.max_trajectories_per_message == 64  # 64 MiB of 1 MiB trajectories
     assert got.limits.max_unread_bytes_per_connection == 10 * got.limits.max_message_bytes
     assert got.actors.num_actors >= 1 and layered.layer("num_actors") == "resolved"
-    # The ring holds the batch in training (4), pace's backlog (one actor message of 32, more than 2 batches of 4)
-    # and two more such messages arriving: 100 trajectories, 25 batches of 4 (8 hold one message, no more).
-    assert got.ring.ring_batches == 25 and layered.layer("ring_batches") == "resolved"
+    # The ring holds the batch in training (4), pace's backlog (one message: the largest accepted, 64, above the
+    # local actors' 32 and 2 batches of 4) and two more such messages arriving: 196 trajectories, 49 batches of 4.
+    assert got.ring.ring_batches == 49 and layered.layer("ring_batches") == "resolved"
     given = Layered(cfg.replace(ring_batches=5), {"ring_batches": "flag"})
     given = resolve(given, default_listen="tcp://127.0.0.1:*", probe=Probe(None, 1))
     assert given.cfg.ring.ring_batches == 5 and given.layer("ring_batches") == "flag"

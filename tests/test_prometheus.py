@@ -182,8 +182,9 @@ def test_scrapes_move_while_training_and_rejections_count_by_reason(tmp_path):
         # The histograms are cumulative: +Inf is the count, and every bucket at most the next one.
         buckets = [s.value for s in second["impala_async_policy_lag_versions"].samples if s.name.endswith("_bucket")]
         assert buckets == sorted(buckets) and buckets[-1] == value(second, "impala_async_policy_lag_versions_count")
-        # --ring-batches 0 (auto) with batches of 4 and messages of 4 trajectories: the floor, 8 batches
-        assert value(second, "impala_async_ring_slots") == 8
+        # --ring-batches 0 (auto) with batches of 4: room for the batch, pace's backlog and two more of the largest
+        # message the learner accepts (256 CartPole trajectories): (4 + 256 + 512) / 4
+        assert value(second, "impala_async_ring_slots") == 193
         status, body = get(mport, "/healthz")
         assert status == 200 and body.startswith("ok"), body
         assert get(mport, "/nothing")[0] == 404

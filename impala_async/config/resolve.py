@@ -60,6 +60,9 @@ def resolve(layered: Layered, *, default_listen: str, probe: Probe, now: float |
     """The finished configuration: each value left to resolution filled and labelled ``resolved``."""
     cfg = layered.cfg
     listen, publish = addresses(cfg, default_listen)
+    max_message = cfg.limits.max_trajectories_per_message or min(
+        256, max(1, AUTO_SCRATCH_BYTES // probe.trajectory_nbytes)
+    )
     values = {
         "listen": listen,
         "publish": publish,
@@ -67,13 +70,12 @@ def resolve(layered: Layered, *, default_listen: str, probe: Probe, now: float |
         or f"runs/{cfg.env.env.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}",
         # uint8 images to [0, 1]: 1/255 for pixels, 1 for MinAtar's 0/1 planes
         "input_scale": cfg.model.input_scale or 1.0 / max(1.0, probe.image_max or 255.0),
-        "max_trajectories_per_message": cfg.limits.max_trajectories_per_message
-        or min(256, max(1, AUTO_SCRATCH_BYTES // probe.trajectory_nbytes)),
+        "max_trajectories_per_message": max_message,
         "max_unread_bytes_per_connection": cfg.limits.max_unread_bytes_per_connection
         or (cfg.network.receive_hwm_messages + 2) * cfg.limits.max_message_bytes,
         "num_actors": cfg.actors.num_actors if cfg.actors.num_actors != -1 else max(1, usable_cpus() - 1),
         "learner_threads": cfg.run.learner_threads or auto_learner_threads(probe),
-        "ring_batches": cfg.ring.ring_batches or auto_ring_batches(cfg),
+        "ring_batches": cfg.ring.ring_batches or auto_ring_batches(cfg, max_message),
         # With 0 (auto), as train's actors send: messages of envs_per_actor trajectories (actors/actor.py does the same)
         "receive_buffer_bytes": cfg.network.receive_buffer_bytes
         or auto_buffer_bytes(cfg.network.receive_hwm_messages, cfg.actors.envs_per_actor, probe.trajectory_nbytes),
@@ -86,12 +88,15 @@ def resolve(layered: Layered, *, default_listen: str, probe: Probe, now: float |
 AUTO_RING_MIN_BATCHES = 8
 
 
-def auto_ring_batches(cfg) -> int:
+def auto_ring_batches(cfg, max_message: int) -> int:
     """Batch slots for ``--ring-batches 0``: room for the batch in training, the backlog pace keeps waiting (at least
-    one message: learner/pacing.py) and two more messages of ``envs_per_actor`` trajectories (a train actor's message)
-    arriving, and at least AUTO_RING_MIN_BATCHES. A ring of 8 batches of 8 holds two such messages of 32 and no more:
-    Pong with ``--batch-size 8`` dropped 8% of what it acted (BENCHMARKS.md, section 14)."""
-    batch, message = cfg.loss.batch_size, cfg.actors.envs_per_actor
+    one message: learner/pacing.py) and two more messages arriving, and at least AUTO_RING_MIN_BATCHES. A message is
+    the largest the learner accepts (``max_message``, which it advertises: an honest actor with that many environments
+    sends that many at once), or a train's own actors' ``envs_per_actor`` where that is larger. A ring of 8 batches of
+    8 holds two messages of 32 and no more: Pong with ``--batch-size 8`` dropped 8% of what it acted (BENCHMARKS.md,
+    section 14), and a learner whose ring held 128 trajectories dropped half of what an actor of 256 environments
+    sent."""
+    batch, message = cfg.loss.batch_size, max(max_message, cfg.actors.envs_per_actor)
     backlog = max(cfg.ring.pace_target_batches * batch, message) if cfg.ring.flow_control == "pace" else message
     return max(AUTO_RING_MIN_BATCHES, math.ceil((batch + backlog + 2 * message) / batch))
 

@@ -331,8 +331,8 @@ class Ring(Section):
     TITLE = "ring and flow control"
     ring_batches: int = opt(
         0,
-        "batch slots in the ring buffer (>= 3; 0: room for a trained batch, pace's target and two messages of "
-        "envs_per_actor trajectories, at least 8)",
+        "batch slots in the ring buffer (>= 3; 0: room for a trained batch, pace's target and two of the largest "
+        "messages the learner accepts (max_trajectories_per_message, or envs_per_actor if larger), at least 8)",
     )
     when_full: str = opt(
         "drop_oldest",
