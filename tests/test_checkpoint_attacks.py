@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from attacks_checkpoints import (
+    LISTENING,
     SET_ASIDE,
     craft,
     eval_attack,
@@ -30,6 +31,8 @@ from attacks_checkpoints import (
     stack_crafts,
     train_good_run,
 )
+from procutil import cli as start_cli
+from procutil import free_port_pair, stop, wait_for
 
 from impala_async import cli
 from impala_async.learner import checkpoint
@@ -273,3 +276,32 @@ def test_the_archive_is_bounded_before_it_is_parsed(good_run, tmp_path):
     link.symlink_to("/dev/zero")
     with pytest.raises(ValueError, match="a character device"):
         checkpoint.load(link, 1 << 30)
+
+
+def test_a_resume_takes_no_address_permission_or_process_count_from_the_checkpoint(good_run, tmp_path):
+    """A checkpoint (a file anyone with the run directory may have written) that sets the learner's addresses to every
+    interface, `insecure` and a number of local actors: a plain `train --resume` used to bind 0.0.0.0 without CURVE
+    and start those actors. It now takes them from the command line only, and says what it ignored."""
+    run = tmp_path / "run"
+    shutil.copytree(good_run, run)
+    good, steps = newest_good(run)
+    state = torch.load(good, map_location="cpu", weights_only=True)
+    port = free_port_pair()
+    hostile = {"listen": f"tcp://0.0.0.0:{port}", "publish": f"tcp://0.0.0.0:{port + 1}", "insecure": 1}
+    hostile["num_actors"] = 3
+    state["config"].update(hostile)
+    state.setdefault("config_layers", {}).update({k: "flag" for k in hostile})
+    torch.save(state, checkpoint.checkpoint_path(run, steps + 10))
+    log = tmp_path / "resume.log"
+    proc = start_cli("train", "--resume", str(run), "--actor-start-timeout-s", "600", log=log)
+    try:
+        wait_for(lambda: LISTENING in log.read_text(), TIMEOUT_S, "the resumed learner listening", proc, log)
+        text = log.read_text()
+    finally:
+        stop(proc)
+    listening = next(line for line in text.splitlines() if LISTENING in line)
+    assert "0.0.0.0" not in listening and "--learner tcp://127.0.0.1:" in listening, listening
+    assert re.search(r"actors\.num_actors = 1 +\(resolved\)", text), "the actor count is this machine's, resolved"
+    warning = next(line for line in text.splitlines() if "only the command line or --config sets" in line)
+    for name in hostile:
+        assert f"{name} = " in warning, (name, warning)

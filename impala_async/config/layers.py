@@ -2,8 +2,10 @@
 
 1. ``default``: the built-in defaults (config/sections.py);
 2. ``preset:<family>``: the environment family's preset (config/presets.py);
-3. ``resumed``: the configuration of the checkpoint a ``--resume`` continues (but for the fields about this process,
-   ``metrics_port`` and ``metrics_host``, and ``publish`` where a new ``listen`` is given above);
+3. ``resumed``: the configuration of the checkpoint a ``--resume`` continues, but for the fields about this process
+   (``metrics_port``, ``metrics_host``) and those only the command line or ``--config`` may set (COMMAND_LINE_ONLY:
+   the addresses, ``insecure``, the CURVE keys, the number of local actors, the env-module permission), which a
+   resume leaves at their defaults and names in a warning;
 4. ``file:<path>``: ``--config FILE``, TOML or YAML (or a run's ``config.json``), with the flags' names;
 5. ``flag``: the flags typed on this command line;
 6. ``command`` (what the command itself fixes: ``learner`` starts no actors, ``--resume DIR`` writes to DIR) and
@@ -15,6 +17,7 @@ The result is written to ``LOGDIR/config.json`` and printed at start as the diff
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,10 +29,15 @@ from .sections import OWN_ENV_MODULES, env_module
 
 DEFAULT, RESUMED, FLAG, COMMAND, RESOLVED = "default", "resumed", "flag", "command", "resolved"
 CONFIG_JSON = "config.json"
+log = logging.getLogger("impala_async.config.layers")
 # The layers of a run's config.json that ``--config`` takes again (the others follow from the defaults, the preset
 # and resolution), and the fields it never takes (a re-run must not write into the old run's directory).
 REPLAYED = ("preset", "resumed", "file", "flag")
 NOT_REPLAYED = ("logdir", *PER_INVOCATION)
+# What opens the learner to the network or starts processes (or imports code) comes from the command line or a file
+# the user names with --config, never from the configuration a checkpoint carries: a resume sets these aside, and
+# says so.
+COMMAND_LINE_ONLY = ("listen", "publish", "insecure", "curve_keys", "num_actors", "allow_env_module")
 YAML_HINT = "pip install 'impala-async[yaml]'"
 
 
@@ -94,6 +102,13 @@ def load(
     configuration, ``resumed_layers`` the layers it was saved with (absent in older checkpoints)."""
     from_file = read_file(file) if file else {}
     layered = stack(flags, from_file, file, resumed or {}, resumed_layers or {}, command or {})
+    ignored = ignored_from_checkpoint(resumed or {}, resumed_layers or {}, {**from_file, **flags})
+    if ignored:
+        log.warning(
+            "resume: the checkpoint's configuration sets %s, which only the command line or --config sets (they open "
+            "the learner to the network or start processes): ignored; type them to keep them",
+            ", ".join(f"{k} = {v!r}" for k, v in ignored.items()),
+        )
     refusal = env_module_refusal(layered)
     if refusal:
         raise ValueError(refusal)
@@ -142,11 +157,22 @@ def _resumed(saved: dict, saved_layers: dict, above: dict) -> dict:
     here, on this machine: the number of local actors, the descriptor limit's connections); with a new ``listen``
     from above and no ``publish``, the publish address is derived from the new listen, not kept from the old run."""
     values = {
-        k: v for k, v in saved.items() if k in INDEX and k not in PER_INVOCATION and saved_layers.get(k) != RESOLVED
+        k: v
+        for k, v in saved.items()
+        if k in INDEX and k not in (*PER_INVOCATION, *COMMAND_LINE_ONLY) and saved_layers.get(k) != RESOLVED
     }
-    if "listen" in above and "publish" not in above:
-        values.pop("publish", None)
     return values
+
+
+def ignored_from_checkpoint(saved: dict, saved_layers: dict, above: dict) -> dict:
+    """The COMMAND_LINE_ONLY values of a checkpoint's configuration that a resume sets aside: those its run chose (not
+    defaults, not resolved on its machine) and that neither the flags nor the --config file give again."""
+    defaults = LearnerConfig().flat()
+    return {
+        k: saved[k]
+        for k in COMMAND_LINE_ONLY
+        if k in saved and k not in above and saved[k] != defaults[k] and saved_layers.get(k) != RESOLVED
+    }
 
 
 def read_file(path: str) -> dict:
