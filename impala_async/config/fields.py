@@ -35,6 +35,15 @@ class Section:
     def check(self) -> None:
         """Raise ValueError naming the field and what its value would break. Sections add their own checks."""
         self.check_choices()
+        self.check_finite()
+
+    def check_finite(self) -> None:
+        """Every float field finite: no value means "never" or "unbounded" by being infinite (a timeout of inf would
+        hang a shutdown, a learning rate of inf skip every update), and NaN means nothing."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if type(value) is float and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
 
     def check_choices(self) -> None:
         for f in dataclasses.fields(self):
@@ -68,7 +77,7 @@ def coerce(name: str, kind: type, value: Any, where: str) -> Any:
     if type(value) is kind:
         return value
     wanted = {float: "a number", int: "an integer"}.get(kind, "a string")
-    raise ValueError(f"{where}: {name} must be {wanted}, got {value!r}")
+    raise ValueError(f"{where}: {name} must be {wanted}, got {value!r:.80}")
 
 
 def finite(name: str, value: float, minimum: float = 0.0, strict: bool = False) -> None:
@@ -79,7 +88,7 @@ def finite(name: str, value: float, minimum: float = 0.0, strict: bool = False) 
 
 
 def positive(section: Section, *names: str) -> None:
-    """Each of ``names`` must be > 0 (infinity allowed: an interval of inf is "never")."""
+    """Each of ``names`` must be > 0 (and, a float, finite: Section.check_finite)."""
     for name in names:
         value = getattr(section, name)
         if not value > 0:  # NaN fails too

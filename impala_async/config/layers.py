@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,8 @@ NOT_REPLAYED = ("logdir", *PER_INVOCATION)
 # says so.
 COMMAND_LINE_ONLY = ("listen", "publish", "insecure", "curve_keys", "num_actors", "allow_env_module")
 YAML_HINT = "pip install 'impala-async[yaml]'"
+MAX_CONFIG_FILE_BYTES = 1 << 20  # a --config file; a run's config.json is about 10 KB
+MAX_CONFIG_NESTING = 32  # brackets within brackets: a configuration has at most 2 (a list in a table)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,18 @@ class Layered:
 
     def layer(self, name: str) -> str:
         return self.layers.get(name, DEFAULT)
+
+    def check(self) -> LearnerConfig:
+        """The configuration checked (LearnerConfig.check), a refusal naming where the value at fault came from."""
+        try:
+            return self.cfg.check()
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0]
+            where = self.layer(name) if name in INDEX else DEFAULT
+            source = {FLAG: "typed", RESUMED: "from the checkpoint's configuration"}.get(where, where)
+            if where.startswith("file:"):
+                source = f"from --config {where[len('file:'):]}"
+            raise ValueError(f"{e} ({source})" if where != DEFAULT else str(e)) from None
 
     def differences(self) -> list[tuple[str, str, object, str]]:
         """(section, name, value, layer) of every value that differs from the built-in default."""
@@ -181,9 +196,40 @@ def read_file(path: str) -> dict:
     named after sections (``[loss]``), whose names must then belong to that section."""
     p = Path(path)
     try:
-        text = p.read_text()
+        with open(p, "rb") as f:
+            raw = f.read(MAX_CONFIG_FILE_BYTES + 1)
+        text = raw.decode("utf-8")
     except OSError as e:
         raise ValueError(f"--config {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--config {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if len(raw) > MAX_CONFIG_FILE_BYTES:
+        raise ValueError(f"--config {path}: larger than {MAX_CONFIG_FILE_BYTES:,} bytes; a configuration is a few KB")
+    if _bracket_depth(text) > MAX_CONFIG_NESTING:  # before parsing: PyYAML takes tens of seconds over 5,000
+        raise ValueError(f"--config {path}: brackets nested more than {MAX_CONFIG_NESTING} deep; not a configuration")
+    try:
+        data = _parse(text, p)
+    except RecursionError:  # nesting by indentation, which the parsers recurse into
+        raise ValueError(f"--config {path}: nested too deeply to be a configuration") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: a mapping of flag names to values, got {type(data).__name__}")
+    if "config" in data and "layers" in data:  # a run's config.json
+        return _replayed(data, path)
+    return _flatten(data, path)
+
+
+def _bracket_depth(text: str) -> int:
+    """The deepest nesting of [] and {} in ``text`` (brackets inside strings count too: no configuration has many)."""
+    depth = deepest = 0
+    for ch in re.sub(r"[^\[\]{}]", "", text):
+        depth = depth + 1 if ch in "[{" else max(0, depth - 1)
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _parse(text: str, p: Path):
+    """The file's data structure, by its suffix; ValueError naming the file for what does not parse."""
+    path = str(p)
     if p.suffix == ".toml":
         try:
             import tomllib
@@ -202,11 +248,7 @@ def read_file(path: str) -> dict:
         data = _yaml(text, path)
     else:
         raise ValueError(f"--config {path}: a TOML (.toml), YAML (.yaml, .yml) or JSON (.json) file, please")
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: a mapping of flag names to values, got {type(data).__name__}")
-    if "config" in data and "layers" in data:  # a run's config.json
-        return _replayed(data, path)
-    return _flatten(data, path)
+    return data
 
 
 def _yaml(text: str, path: str):
@@ -215,9 +257,15 @@ def _yaml(text: str, path: str):
     except ImportError:
         raise ValueError(f"--config {path}: reading YAML needs PyYAML, which is not installed: {YAML_HINT}") from None
     try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):  # linear, before anything is built
+            if getattr(event, "anchor", None) is not None or isinstance(event, yaml.AliasEvent):
+                raise ValueError(
+                    f"--config {path}: YAML anchors and aliases (&, *) are refused: a configuration needs none, and "
+                    "an alias can make a few bytes expand without bound"
+                )
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ValueError(f"--config {path}: not valid YAML: {e}") from None
+        raise ValueError(f"--config {path}: not valid YAML: {str(e)[:500]}") from None
 
 
 def _flatten(data: dict, path: str) -> dict:

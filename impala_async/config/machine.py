@@ -1,5 +1,5 @@
-"""Defaults that come from the machine and the environment rather than from the run: usable CPUs, and where the
-metrics port is served (so that a container image can turn it on for every command it runs; a flag still wins)."""
+"""Defaults that come from the machine and the environment rather than from the run: usable CPUs and memory, and where
+the metrics port is served (so that a container image can turn it on for every command it runs; a flag still wins)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,19 @@ def usable_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     except (OSError, ValueError):
         pass  # no cgroup v2 quota readable: the affinity mask is the answer
     return n
+
+
+def usable_memory_bytes(cgroup_memory_max: str = "/sys/fs/cgroup/memory.max") -> int:
+    """Memory this process may use: the machine's physical memory, capped by a cgroup v2 limit (``docker run -m``)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open(cgroup_memory_max) as f:
+            limit = f.read().strip()
+        if limit != "max":
+            total = min(total, int(limit))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit readable: the physical memory is the answer
+    return total
 
 
 def env_metrics_port() -> int:

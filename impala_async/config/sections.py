@@ -36,6 +36,7 @@ def env_module(env_id: str) -> str:
     return module if sep else ""
 
 
+MAX_LEARNING_RATE = 1.0  # above it Adam and RMSprop move every weight by more than the weights' own scale a step
 IMAGE_THREADS_MIN_VALUES = 4096  # observations of this many values or more take 2 learner threads by default
 
 
@@ -295,7 +296,10 @@ class Loss(Section):
             f"precision must be fp32 or bf16, got {self.precision!r} (fp16 would "
             "need loss scaling, and bf16 has fp32's range without it)",
         )
-        need(self.learning_rate > 0, "learning_rate must be > 0")
+        need(
+            0 < self.learning_rate <= MAX_LEARNING_RATE,
+            f"learning_rate must lie in (0, {MAX_LEARNING_RATE:g}], got {self.learning_rate:g}",
+        )
         need(0.0 <= self.discount <= 1.0, "discount must lie in [0, 1]: values would diverge")
         for name in (
             "entropy_cost",

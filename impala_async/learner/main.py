@@ -53,7 +53,7 @@ def configure(
     world = ranks.torchrun_world(layered.cfg.ranks.learner_ranks)
     if world is not None and world != layered.cfg.ranks.learner_ranks:
         layered = layered.over(layers.COMMAND, {"learner_ranks": world})
-    layered.cfg.check()
+    layered.check()
     return layered, state
 
 
@@ -106,6 +106,20 @@ def probe_environment(cfg: LearnerConfig):
     return spec, probe, backend
 
 
+def refuse_oversized(cfg: LearnerConfig, spec) -> None:
+    """SystemExit (one line) for sizes this machine's memory cannot hold, before anything is allocated
+    (learner/budget.py). A network this observation space cannot take is left to build_learner to refuse."""
+    from ..config.machine import usable_memory_bytes
+    from .budget import memory_refusal
+
+    try:
+        refusal = memory_refusal(cfg, spec, usable_memory_bytes())
+    except ValueError:
+        return
+    if refusal:
+        raise SystemExit(f"impala-async: {refusal}")
+
+
 def resolve_device(name: str, flag: str = "--device"):
     import torch
 
@@ -146,6 +160,7 @@ def run(
         spec, probe, env_backend = probe_environment(cfg)
         layered = resolve(layered, default_listen=default_listen, probe=probe)
         cfg = layered.cfg
+        refuse_oversized(cfg, spec)
         if cfg.local_actors > 0 and cfg.actors.device != "cpu":
             resolve_device(cfg.actors.device, "--actor-device")  # no CUDA device: refused before any actor starts
         group = ranks.join_lead(
