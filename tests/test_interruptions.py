@@ -16,7 +16,7 @@ SMALL = ["--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "
 SMALL += ["--batch-size", "4", "--total-env-steps", "100000000", "--lr-schedule", "constant"]
 
 
-def test_a_record_after_a_torn_line_starts_a_line_of_its_own(tmp_path):
+def test_a_line_torn_by_a_kill_is_cut_before_the_next_record(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"env_steps": 10}) + "\n" + '{"env_steps": 20, "wall')  # killed mid-write
     writer = MetricsWriter(path)

@@ -68,7 +68,7 @@ class Layered:
             where = self.layer(name) if name in INDEX else DEFAULT
             source = {FLAG: "typed", RESUMED: "from the checkpoint's configuration"}.get(where, where)
             if where.startswith("file:"):
-                source = f"from --config {where[len('file:'):]}"
+                source = f"from --config {where[len('file:') :]}"
             raise ValueError(f"{e} ({source})" if where != DEFAULT else str(e)) from None
 
     def differences(self) -> list[tuple[str, str, object, str]]:

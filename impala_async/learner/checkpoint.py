@@ -259,6 +259,7 @@ class Checkpoints:
         self.section, self.learner, self._collect = section, learner, collect
         self.writer = CheckpointWriter(directory, section.checkpoint_keep)
         self.failures = 0
+        self._failing = 0  # failures since the last checkpoint written
         self._last = time.monotonic()
 
     def counters(self) -> dict:
@@ -273,19 +274,25 @@ class Checkpoints:
             return self.writer.save(self._collect(), self.learner.env_steps_trained)
 
     def try_save(self) -> Path | None:
-        """save(), with a failure reported and counted, not raised."""
+        """save(), with a failure counted, not raised, and said once for a run of failures (a full disk fails every
+        retry until space returns), then once when a checkpoint is written again."""
         try:
-            return self.save()
+            path = self.save()
         except Exception as e:
             self.failures += 1
-            log.error(
-                "checkpoint failed (%d so far; retrying in %g s, training goes on): %s: %s",
-                self.failures,
-                self.section.checkpoint_retry_interval_s,
-                type(e).__name__,
-                e,
-            )
+            self._failing += 1
+            if self._failing == 1:
+                log.error(
+                    "checkpoint failed (retrying every %g s, training goes on; the newest good one is kept): %s: %s",
+                    self.section.checkpoint_retry_interval_s,
+                    type(e).__name__,
+                    e,
+                )
             return None
+        if self._failing:
+            log.warning("checkpoint written again after %d failed attempt(s): %s", self._failing, path.name)
+            self._failing = 0
+        return path
 
     def after_update(self, now: float) -> None:
         """A checkpoint if one is due (training thread); after a failure, the next try comes sooner."""

@@ -182,12 +182,24 @@ def run(
         log.info("%s", layered.describe())
         for warning in cfg.warnings():
             log.warning("%s", warning)
-        layered.write(cfg.run.logdir, command)
+        write_config(layered, command, lock)
     try:
         return _serve(layered, spec, env_backend, device, keys, resumed, group, start_monotonic)
     finally:
         if lock is not None:
             lock.release()
+
+
+def write_config(layered: Layered, command: str, lock) -> None:
+    """LOGDIR/config.json, or SystemExit in one line (the lock released) where the logdir takes no file: a full or
+    read-only disk is refused at start, not met at the first report."""
+    try:
+        layered.write(layered.cfg.run.logdir, command)
+    except OSError as e:
+        lock.release()
+        raise SystemExit(
+            f"impala-async: cannot write to the logdir {layered.cfg.run.logdir} (--logdir): {e.strerror or e}"
+        ) from None
 
 
 def lock_logdir(logdir: str):

@@ -26,6 +26,7 @@ from .guard import CUT_REASONS
 from .histograms import RHO_BIN_EDGES, Totals
 from .rankwatch import REJECTED_RANK_VALUES
 
+log = logging.getLogger("impala_async.learner.metrics")
 watch_log = logging.getLogger("impala_async.learner.watch")  # the collapse warnings are the watch's
 LOSS_FIGURES = (
     "loss_pg",
@@ -254,29 +255,68 @@ def read_metrics(path: Path | None) -> list[dict]:
     return rows
 
 
-def _ends_a_line(path: Path) -> bool:
-    """Whether ``path`` is empty or ends with a newline."""
-    with open(path, "rb") as f:
-        if f.seek(0, os.SEEK_END) == 0:
-            return True
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
-
-
 class MetricsWriter:
+    """metrics.jsonl, one whole line per record or none: a disk that fills up, fails or turns read-only is weather, not
+    death. A write that fails is cut back to the last whole line (what it managed to write would be a line that does
+    not parse), said once with the reason, and counted (``lost``); training goes on, and records are written again as
+    soon as the disk takes them. A line torn by a killed writer (or an older version) is cut off when the file is
+    opened."""
+
     def __init__(self, path: Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed by close(), in the server's shutdown)
-        if not _ends_a_line(self.path):  # a line torn by a killed writer: the first record starts a line of its own
-            self._file.write("\n")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._size = _last_whole_line(self._fd)  # the end of the last whole line
+        self._newline = False  # the file does not end at a line's end: the next record starts one
+        if self._size < os.fstat(self._fd).st_size:  # a line torn by a killed writer: it would not parse
+            try:
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                self._newline = True
+        self.lost = 0  # records not written since the last one that was
 
     def write(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._file.write(json.dumps(clean, separators=(",", ":")) + "\n")
+        data = (("\n" if self._newline else "") + json.dumps(clean, separators=(",", ":")) + "\n").encode()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as e:
+            self._failed(e)
+            return
+        self._size += len(data)
+        self._newline = False
+        if self.lost:
+            log.warning("metrics.jsonl is written again; %d report(s) were lost while it could not be", self.lost)
+            self.lost = 0
+
+    def _failed(self, error: OSError) -> None:
+        if not self.lost:
+            log.error(
+                "metrics.jsonl cannot be written (%s): reports are lost until it can; training and checkpoints go on",
+                error.strerror or error,
+            )
+        self.lost += 1
+        try:  # what part of the line did get written must go: cut back to the last whole line
+            os.ftruncate(self._fd, self._size)
+        except OSError:  # read-only: the part stays, and the next record starts a line of its own
+            self._newline = True
 
     def close(self) -> None:
-        self._file.close()
+        os.close(self._fd)
+
+
+def _last_whole_line(fd: int, window: int = 1 << 20) -> int:
+    """The offset just past the last newline of the file (its size if it ends with one; records are far shorter than
+    ``window``, within which the newline is looked for)."""
+    size = os.fstat(fd).st_size
+    start = max(0, size - window)
+    tail = os.pread(fd, size - start, start)
+    if not tail or tail.endswith(b"\n"):
+        return size
+    cut = tail.rfind(b"\n")
+    return start + cut + 1 if cut >= 0 else start
 
 
 class Progress:
