@@ -78,3 +78,17 @@ CURRICULUM_FLAGS = (
     "--curriculum-episodes",
     str(CURRICULUM_EPISODES),
 )
+
+
+def tool(name: str):
+    """A script of tools/ imported as a module (tools/ is no package), for tests of its pure parts."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module

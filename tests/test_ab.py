@@ -3,19 +3,16 @@ runs (tiny CartPole arms), resumable and with its table checked against the runs
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import tool
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "ab.py"
-spec = importlib.util.spec_from_file_location("ab", TOOL)
-ab = importlib.util.module_from_spec(spec)
-sys.modules["ab"] = ab  # dataclasses look their module up while the file runs
-spec.loader.exec_module(ab)
+ab = tool("ab")
 
 TINY = {
     "env": "CartPole-v1",
