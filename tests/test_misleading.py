@@ -123,6 +123,45 @@ def test_flow_control_counts_connections_not_declared_ids(learner, ctx):
     assert row["messages_rejected"] == 0  # every message valid: only the way they were counted changed
 
 
+def _honest_rate(learner, seconds: float, attack=None) -> float:
+    """Trajectories a second from the honest actor over ``seconds``: all received but what ``attack()`` (called as
+    often as it likes meanwhile, returning how many it sent so far) sent."""
+    first = learner.wait(lambda r: True, "a report")
+    t0, sent = time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        sent = attack() if attack is not None else (time.sleep(0.05) or 0)
+    last = learner.wait(lambda r: r["wall_s"] > first["wall_s"], "a report")
+    received = last["trajectories_received"] - first["trajectories_received"]
+    return (received - sent) / (last["wall_s"] - first["wall_s"])
+
+
+@pytest.mark.parametrize("connections", [100, 1000])
+def test_slow_senders_on_many_connections_leave_the_honest_actor_its_throughput(learner, ctx, connections):
+    """Issue 27, row 1: 20 valid one-trajectory messages a second in all, spread over 100 (or 1,000) connections, each
+    a sender that keeps far below its share. Each used to take an equal share of the pace, so the honest actor was
+    paced to 1/101 of the learner's rate (1,419 -> ~0 trajectories a second, 100% of trained data the attacker's).
+    Senders slower than their share now leave the rest to the others: the honest actor keeps at least half."""
+    learner.wait(lambda r: r["pace_senders"] <= 1, "the honest actor the only sender again", 90)
+    before = _honest_rate(learner, 6.0)
+    socks = [push(ctx, learner.listen) for _ in range(connections)]
+    count = [0]
+
+    def attack() -> int:
+        learner.view.refresh()
+        socks[count[0] % connections].send(message(learner.view, actor=f"c-{count[0]}", seq=0, seed=count[0]))
+        count[0] += 1
+        time.sleep(0.05)  # 20 messages a second in all
+        return count[0]
+
+    try:
+        attack()  # every connection's first message goes in its turn; the pace learns of each as it sends
+        during = _honest_rate(learner, 10.0, attack)
+    finally:
+        for sock in socks:
+            sock.close(0)
+    assert during >= 0.5 * before, (before, during)
+
+
 def test_episode_records_need_steps_that_end_episodes(learner, ctx):
     """A message may claim at most as many episodes as its steps end, and the episode count (the curriculum's clock)
     is what the accepted steps ended. Before: 250 messages of 4,096 records each moved the difficulty to its end."""

@@ -33,11 +33,19 @@ def _fed(pacer: Pacer, batches: int, per_s: float, batch: int = 16, t0: float = 
     return t - 1.0 / per_s
 
 
+def _sending(pacer: Pacer, actors, trajectories: int, every_s: float, until: float) -> None:
+    """Each of ``actors`` sends a message of ``trajectories`` every ``every_s`` from 0 to ``until``."""
+    t = 0.0
+    while t <= until + 1e-9:
+        for actor in actors:
+            pacer.accepted(actor, trajectories, now=t)
+        t += every_s
+
+
 def test_pace_shares_the_consumption_rate_among_the_senders():
     p = Pacer(target_trajectories=32, window_s=5.0, max_pace_s_per_trajectory=10.0)
     assert p.pace(0, now=0.0) == 0.0, "nothing consumed yet: no pacing"
-    for actor in ("a", "b"):
-        p.accepted(actor, 16, now=0.0)
+    _sending(p, ("a", "b"), 16, 0.1, until=1.0)  # each faster than its share: both held to it
     t = _fed(p, 11, per_s=10.0)  # 10 batches of 16 after the first, in 1 s: 160 trajectories a second
     assert p.pace(32, now=t) == pytest.approx(2 / 160, rel=1e-6), "at the target: the rate shared by 2"
     assert p.pace(0, now=t) == pytest.approx(2 / (160 * FACTOR_HI), rel=1e-6), "empty: faster"
@@ -77,7 +85,7 @@ def test_the_target_grows_when_the_trainer_starves_and_shrinks_back():
 
 def test_a_message_larger_than_the_target_is_the_target():
     p = Pacer(target_trajectories=16, window_s=5.0, max_pace_s_per_trajectory=10.0)
-    p.accepted("a", 64, now=0.0)
+    _sending(p, ("a",), 64, 0.4, until=1.0)
     t = _fed(p, 11, per_s=10.0)
     assert p.pace(64, now=t) == pytest.approx(1 / 160, rel=1e-6), "64 waiting is on target when messages are 64"
 

@@ -9,37 +9,67 @@ socket buffers and the policy lag grows with every queued message. Pacing instea
 ``pace_s_per_trajectory x n`` seconds between the starts of two unrolls of ``n`` trajectories (the weights message's
 ``pace_s_per_trajectory``, docs/protocol.md). The learner sets it from what it measures over the last ``window_s``:
 
-    pace = senders / (consumed_per_s * factor),   factor = clip(1 + gain * (target - waiting) / target, lo, hi)
+    pace = 1 / level,   factor = clip(1 + gain * (target - waiting) / target, lo, hi)
+    level: slow senders keep their rate, the others share equally what training consumes, times factor
 
-``senders``: actors whose messages were accepted in the window (or within four of their own intervals at the pace,
-for an actor that sends less often); ``consumed_per_s``: trajectories the trainer took per second (over the window's
-batches, or the last two where the window holds fewer); ``waiting``: trajectories accepted and not yet taken;
-``target``: how many the learner wants waiting, so it never waits for data (``pace_target_batches`` batches). Every
-actor that keeps the pace then produces
-``consumed_per_s * factor / senders`` trajectories a second, whatever its number of environments, and all of them
-together produce what training consumes, a little more while fewer than ``target`` wait and less while more do; an
-actor that is slower than its share leaves the others a larger one through ``factor``. Actors that are slower than
-the pace never wait, so a learner that is not the bottleneck costs nothing. Before anything was consumed (the first
-seconds) the pace is 0: no pacing. A rate, not a grant: no actor waits for a reply to its own messages, so there is
-no deadlock, no per-actor state in the weights message (whose size stays independent of the fleet), and actors that
-ignore the field (older or foreign ones) are held back only by ``when_full``.
+``consumed_per_s``: trajectories the trainer took per second (over the window's batches, or the last two where the
+window holds fewer); the senders: connections whose messages were accepted in the window (or within four of their own
+intervals, for one that sends less often), each with its rate over that span; a sender is *slow* while its rate is
+under half an equal share of ``consumed_per_s`` among the senders not slow (water-filling: the slowest first).
+``waiting``: trajectories accepted and not yet taken; ``target``: how many the learner wants waiting, so it never waits
+for data (``pace_target_batches`` batches). Every actor that keeps the pace then produces ``level`` trajectories a
+second, whatever its number of environments, and all of them together produce what training consumes, a little more
+while fewer than ``target`` wait and less while more do. Slow senders take no share: a peer that opens a thousand
+connections and sends a trajectory on each now and then leaves the honest actors what training consumes, where an
+equal share per connection gave it a thousand shares (and the honest actor a thousandth). Where every sender is slow
+the actors are the bottleneck and the pace is 0, so a learner that is not the bottleneck costs nothing. Before
+anything was consumed (the first seconds) the pace is 0: no pacing. A rate, not a grant: no actor waits for a reply to
+its own messages, so there is no deadlock, no per-actor state in the weights message (whose size stays independent
+of the fleet), and actors that ignore the field (older or foreign ones) are held back only by ``when_full``.
 
 With ``ranks`` learner ranks (learner/ranks.py) rank 0 alone computes the pace, from its own figures: the ranks train
 in lock step, one batch each per update, and actors spread their messages over the ranks round-robin, so the whole
 learner consumes ``ranks`` times what rank 0 does, and each rank holds about as many waiting as rank 0. So the rate
-is multiplied by ``ranks`` while ``factor`` compares rank 0's waiting with rank 0's target (both would be ``ranks``
-times larger over the whole learner: the ratio is the same), and an actor, whose messages reach rank 0 only every
-``ranks``-th time, counts as a sender ``ranks`` times as long.
+and each sender's rate are multiplied by ``ranks`` (an actor's messages reach rank 0 only every ``ranks``-th time,
+so it also counts as a sender ``ranks`` times as long) while ``factor`` compares rank 0's waiting with rank 0's target
+(both would be ``ranks`` times larger over the whole learner: the ratio is the same).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 
 FACTOR_LO, FACTOR_HI, GAIN = 0.25, 3.0, 2.0
 STARVED_S = 0.001  # a trainer that waited longer than this for a batch was starved of data
+SENDER_HORIZON_S = 60.0  # the longest a sender counts after its last message, and its rate's longest span
+
+
+class _Sender:
+    """One sender's recent messages: enough to say how fast it sends and how often."""
+
+    __slots__ = ("first_at", "last_at", "interval", "last_n", "recent")
+
+    def __init__(self, first_at: float):
+        self.first_at = self.last_at = first_at
+        self.interval = 0.0  # between its last two messages (0 after one)
+        self.last_n = 0
+        self.recent: collections.deque[tuple[float, int]] = collections.deque()  # (accepted at, trajectories)
+
+    def add(self, now: float, trajectories: int) -> None:
+        if self.recent:
+            self.interval = now - self.last_at
+        self.last_at, self.last_n = now, trajectories
+        self.recent.append((now, trajectories))
+
+    def rate(self, now: float, horizon_s: float) -> float:
+        """Trajectories a second over the last ``horizon_s`` (or its life, if shorter, but at least a second)."""
+        while self.recent and self.recent[0][0] < now - horizon_s:
+            self.recent.popleft()
+        span = max(1.0, min(horizon_s, now - self.first_at))
+        return sum(n for _, n in self.recent) / span
 
 
 class Pacer:
@@ -62,8 +92,8 @@ class Pacer:
         self.max_pace = float(max_pace_s_per_trajectory)
         self.max_senders = max_tracked_senders
         self._lock = threading.Lock()
-        # actor -> (when its last message was accepted, its trajectories), oldest first
-        self._senders: collections.OrderedDict[str, tuple[float, int]] = collections.OrderedDict()
+        # by last message, oldest first
+        self._senders: collections.OrderedDict[str, _Sender] = collections.OrderedDict()
         self._consumed: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic time, trajectories)
         # Trajectories of the messages accepted within the window (time, n): the largest recent message, not the
         # largest ever (one 256-trajectory message must not raise the target for the rest of the run).
@@ -99,7 +129,10 @@ class Pacer:
         now = time.monotonic() if now is None else now
         with self._lock:
             self._sizes.append((now, trajectories))
-            self._senders[actor] = (now, trajectories)
+            sender = self._senders.get(actor)
+            if sender is None:
+                sender = self._senders[actor] = _Sender(first_at=now)
+            sender.add(now, trajectories)
             self._senders.move_to_end(actor)
             if len(self._senders) > self.max_senders:
                 self._senders.popitem(last=False)
@@ -130,12 +163,33 @@ class Pacer:
         while self._sizes and self._sizes[0][0] < horizon:  # the window's messages only: none outlives it
             self._sizes.popleft()
         # An actor keeping a slow pace sends less often than the window: it still counts for a few of its intervals,
-        # reckoned from its own last message (an actor of 128 environments sends 128 trajectories at a time).
+        # reckoned from its own messages (an actor of 128 environments sends 128 trajectories at a time).
         while self._senders:
-            actor, (at, n) = next(iter(self._senders.items()))
-            if at >= now - max(self.window_s, 4 * self.ranks * self.pace_s_per_trajectory * n):
+            actor, sender = next(iter(self._senders.items()))
+            if sender.last_at >= now - self._horizon(sender):
                 break
             del self._senders[actor]
+
+    def _horizon(self, sender: _Sender) -> float:
+        """How long a sender counts after its last message, and the span its rate is measured over: the window, or
+        four of its own intervals (measured, or at the pace for its message size), at most SENDER_HORIZON_S."""
+        paced = 4 * self.ranks * self.pace_s_per_trajectory * sender.last_n
+        return min(SENDER_HORIZON_S, max(self.window_s, 4 * sender.interval, paced))
+
+    def _level(self, consumed_per_s: float, factor: float, now: float) -> float:
+        """Trajectories a second each sender may send (the whole learner's rates), water-filled: a sender slower than
+        half an equal share of what training consumes keeps its own rate and leaves the rest to the others, which
+        share it equally, times ``factor``; inf where every sender is that slow (no pacing: the actors are the
+        bottleneck). Slowness is judged against the consumption, not the factor's swings, so an actor held to its
+        share never looks slow to the share the factor gives it next."""
+        rates = sorted(self.ranks * s.rate(now, self._horizon(s)) for s in self._senders.values())
+        slow_total, k = 0.0, 0  # the slowest k senders
+        while k < len(rates) and rates[k] < (consumed_per_s - slow_total) / (len(rates) - k) / 2:
+            slow_total += rates[k]
+            k += 1
+        if k == len(rates):
+            return math.inf
+        return max(1e-9, (consumed_per_s * factor - slow_total) / (len(rates) - k))
 
     def _largest(self) -> int:
         """Most trajectories in one message accepted within the window (1 before any)."""
@@ -162,7 +216,8 @@ class Pacer:
             # ring must drop.
             target = min(max(self.target, self._largest()), max(1.0, self.capacity - self._batch))
             self.target_now = target
-        factor = min(FACTOR_HI, max(FACTOR_LO, 1.0 + GAIN * (target - waiting_trajectories) / target))
-        pace = min(self.max_pace, senders / max(1e-9, rate * factor))
+            factor = min(FACTOR_HI, max(FACTOR_LO, 1.0 + GAIN * (target - waiting_trajectories) / target))
+            level = self._level(rate, factor, now)
+        pace = min(self.max_pace, 1.0 / level)
         self.pace_s_per_trajectory = pace
         return pace
