@@ -25,7 +25,7 @@ from helpers import random_arrays
 from procutil import free_port_pair, read_metrics, stop
 
 FLAGS = ["--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.25", "--total-env-steps", "1000000000"]
-CURRICULUM = ["--curriculum", "linear", "--curriculum-episodes", "1000000"]
+CURRICULUM = ["--curriculum", "linear", "--curriculum-env-steps", "100000000"]
 CURRICULUM += ["--curriculum-start", "0.5", "--curriculum-end", "2.0"]
 
 

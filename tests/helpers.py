@@ -54,8 +54,9 @@ def assert_values_allowed(spec: TrajectorySpec, dest: dict[str, np.ndarray]) -> 
 
 
 # The curriculum test's run (tests/test_curriculum.py; tools/curriculum_lag.py measures the same run): one actor of 4
-# one-step environments whose reward is the difficulty, a linear ramp over CURRICULUM_EPISODES episodes.
-CURRICULUM_EPISODES = 20_000
+# one-step environments whose reward is the difficulty, a linear ramp over CURRICULUM_ENV_STEPS env steps trained
+# (one episode each).
+CURRICULUM_ENV_STEPS = 20_000
 CURRICULUM_FLAGS = (
     "--env",
     "impala_async.actors.envs:DifficultyProbe-v0",
@@ -75,8 +76,8 @@ CURRICULUM_FLAGS = (
     "0.5",
     "--curriculum-end",
     "2.0",
-    "--curriculum-episodes",
-    str(CURRICULUM_EPISODES),
+    "--curriculum-env-steps",
+    str(CURRICULUM_ENV_STEPS),
 )
 
 

@@ -7,7 +7,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from helpers import CURRICULUM_EPISODES, CURRICULUM_FLAGS
+from helpers import CURRICULUM_ENV_STEPS, CURRICULUM_FLAGS
 from procutil import cli, read_metrics, stop, tail
 
 from impala_async.actors.envs import make_env, set_difficulty
@@ -18,7 +18,7 @@ from impala_async.learner import curriculum
 
 
 def test_linear_schedule():
-    s = curriculum.Linear(0.5, 2.0, 10_000)  # the source article's example
+    s = curriculum.Linear(0.5, 2.0, 10_000)  # the source article's 0.5 -> 2.0, over 10,000 env steps
     assert [s.value(e) for e in (0, 2_500, 5_000, 10_000, 10**9)] == [0.5, 0.875, 1.25, 2.0, 2.0]
     assert s.value(-5) == 0.5
     assert curriculum.Linear(1.0, 0.0, 4).value(1) == 0.75  # falling works too
@@ -31,9 +31,9 @@ def test_linear_schedule():
 def test_config_names_the_schedules():
     assert set(config.CURRICULA) == {"none", *curriculum.SCHEDULES}
     assert curriculum.from_config(LearnerConfig()) is None
-    cfg = LearnerConfig.of(curriculum="linear", curriculum_start=1.0, curriculum_end=3.0, curriculum_episodes=100)
+    cfg = LearnerConfig.of(curriculum="linear", curriculum_start=1.0, curriculum_end=3.0, curriculum_env_steps=100)
     assert curriculum.from_config(cfg).value(50) == 2.0
-    for bad in ({"curriculum": "cosine"}, {"curriculum_episodes": 0}, {"curriculum_end": float("inf")}):
+    for bad in ({"curriculum": "cosine"}, {"curriculum_env_steps": 0}, {"curriculum_end": float("inf")}):
         with pytest.raises(ValueError, match="curriculum"):
             LearnerConfig.of(**bad).check()
 
@@ -69,38 +69,38 @@ def test_the_hook_applies_at_the_next_reset():
     assert set_difficulty(cartpole, 2.0) == 2.0  # an environment without the hook ignores it
 
 
-N_EPISODES = CURRICULUM_EPISODES  # the ramp, in episodes
-LAG = 2_000  # episodes (see the test's docstring)
+N_STEPS = CURRICULUM_ENV_STEPS  # the ramp, in env steps trained: one one-step episode each
+LAG = 2_000  # env steps (see the test's docstring)
 WINDOW = 100  # episode_return_mean: the last 100 episodes
 
 
-def schedule(episodes: float) -> float:
-    return 0.5 + 1.5 * min(1.0, max(0.0, episodes) / N_EPISODES)
+def schedule(trained: float) -> float:
+    return 0.5 + 1.5 * min(1.0, max(0.0, trained) / N_STEPS)
 
 
 def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
     """DifficultyProbe's reward is the difficulty its episode ran at, so ``episode_return_mean`` (the last 100
-    episodes) is the schedule seen through the actors. Bounds for a record at ``episodes`` E:
+    episodes) is the schedule seen through the actors. The schedule's clock is ``env_steps_trained`` (T, the
+    learner's own count; each step here is an episode). Bounds for a record at T:
 
-    - never ahead: at most schedule(E). The value an environment plays with was computed from the learner's count
-      when it encoded those weights, before those episodes were counted, and the schedule rises.
-    - at most LAG behind: at least schedule(E - 100 - LAG). Between the encoding and the counting lie the episodes in
-      flight: the unroll being played when the weights arrive (an actor reads weights between unrolls), messages
-      queued at the actor and at the learner (ZeroMQ marks of 4 and 8 messages, and the kernel's socket buffers,
-      sized to about as many by default) and the next unroll, 20 episodes each here (4 one-step environments x 5
-      steps). Before the learner sets a pace (its first seconds, and again after the resume) an actor runs at most
-      its send mark ahead of the weights (docs/protocol.md, Flow control). Measured with both: at most 172 episodes in
-      7 runs. Without them the kernel's autotuned buffers held up to 867 messages (17,000 episodes played with one
-      difficulty) while a learner warmed up, and this test failed about one run in four. LAG = 2,000 allows for a
-      loaded machine, still within 0.16 of the 1.5 the ramp climbs.
+    - never ahead: at most schedule(T). The value an environment plays with was computed from the learner's count
+      when it encoded those weights, and the count only grows.
+    - at most LAG behind: at least schedule(T - 100 - LAG). Between the encoding and the training of the episodes
+      played with it lie the episodes in flight: the unroll being played when the weights arrive (an actor reads
+      weights between unrolls), messages queued at the actor and at the learner (ZeroMQ marks of 4 and 8 messages,
+      and the kernel's socket buffers, sized to about as many by default), what waits in the ring, and the next
+      unroll, 20 episodes each here (4 one-step environments x 5 steps). Before the learner sets a pace (its first
+      seconds, and again after the resume) an actor runs at most its send mark ahead of the weights
+      (docs/protocol.md, Flow control). LAG = 2,000 allows for a loaded machine, still within 0.16 of the 1.5 the
+      ramp climbs.
 
-    The run stops (early on the ramp, or past it on a slow machine that drops many batches: the budget counts trained
-    steps) and resumes from its checkpoint: the episode count, and with it the schedule, continues.
+    The run stops early on the ramp and resumes from its checkpoint: the trained count, and with it the schedule,
+    continues.
     """
     logdir = tmp_path / "run"
     flags = list(CURRICULUM_FLAGS)
     for i, (args, budget) in enumerate(
-        [(flags + ["--logdir", str(logdir)], 3_000), (["--resume", str(logdir)], N_EPISODES + WINDOW + LAG)]
+        [(flags + ["--logdir", str(logdir)], 3_000), (["--resume", str(logdir)], N_STEPS + WINDOW + LAG)]
     ):
         log = tmp_path / f"log{i}"
         proc = cli("train", *args, "--total-env-steps", str(budget), log=log)
@@ -113,17 +113,17 @@ def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
             first_run = len(read_metrics(logdir))
     rows = [r for r in read_metrics(logdir) if r["episode_return_mean"] is not None]
     assert rows, tail(log)
-    ramp = [r for r in rows if r["episodes"] < N_EPISODES]
-    assert len(ramp) >= 4, [(r["episodes"], r["episode_return_mean"]) for r in rows]
+    ramp = [r for r in rows if r["env_steps_trained"] < N_STEPS]
+    assert len(ramp) >= 4, [(r["env_steps_trained"], r["episode_return_mean"]) for r in rows]
     for r in rows:
-        e, seen, sent = r["episodes"], r["episode_return_mean"], r["difficulty"]
-        assert schedule(e - WINDOW - LAG) - 1e-9 <= seen <= schedule(e) + 1e-9, (e, seen, schedule(e))
-        assert sent is not None and schedule(e - LAG) - 1e-9 <= sent <= schedule(e) + 1e-9, (e, sent)
-        if e >= N_EPISODES + WINDOW + LAG:
-            assert seen == 2.0, (e, seen)
-    assert rows[-1]["episodes"] >= N_EPISODES + WINDOW + LAG
+        t, seen, sent = r["env_steps_trained"], r["episode_return_mean"], r["difficulty"]
+        assert schedule(t - WINDOW - LAG) - 1e-9 <= seen <= schedule(t) + 1e-9, (t, seen, schedule(t))
+        assert sent is not None and schedule(t - LAG) - 1e-9 <= sent <= schedule(t) + 1e-9, (t, sent)
+        if t >= N_STEPS + WINDOW + LAG:
+            assert seen == 2.0, (t, seen)
+    assert rows[-1]["env_steps_trained"] >= N_STEPS + WINDOW + LAG
     resumed = read_metrics(logdir)[first_run:]
     before = read_metrics(logdir)[first_run - 1]
     assert before["difficulty"] > 0.6  # stopped on the way up (or past it) ...
-    assert resumed[0]["episodes"] >= before["episodes"]  # ... and resumed the count,
+    assert resumed[0]["env_steps_trained"] >= before["env_steps_trained"]  # ... and resumed the count,
     assert resumed[0]["difficulty"] >= before["difficulty"]  # and the schedule with it, not from its start

@@ -29,8 +29,8 @@ ORDER = ("v", "type", "actor", "seq", "policy_version", "incarnation", "n", "epi
 CURRICULUM = [
     "--curriculum",
     "linear",
-    "--curriculum-episodes",
-    "1000000",
+    "--curriculum-env-steps",
+    "100000000",
     "--curriculum-start",
     "0.5",
     "--curriculum-end",
@@ -178,7 +178,39 @@ def test_episode_records_need_steps_that_end_episodes(learner, ctx):
     finally:
         sock.close(0)
     assert row["episodes"] - before["episodes"] < 10_000, (before["episodes"], row["episodes"])
-    assert row["difficulty"] < 0.6, row["difficulty"]  # 1,000,000 episodes to the end: it has barely moved
+    assert row["difficulty"] < 0.6, row["difficulty"]  # 100M env steps trained to the end: it has barely moved
+
+
+def test_ended_episodes_move_the_curriculum_only_by_the_steps_trained(learner, ctx):
+    """Issue 27, row 6: valid messages whose every step ends an episode (256 trajectories of 10 steps, 2,560 ended
+    episodes each, the most a message may carry is 4,096). The curriculum used to follow the episode count: 250 such
+    messages took it from 0.5 to its end in 5 s. Its clock is now the env steps the learner trained, its own count:
+    the messages add their episodes, and the difficulty stays the schedule of what was trained."""
+    view = learner.view.refresh()
+    arrays = random_arrays(view.spec, 256, seed=9)
+    arrays["terminated"][:], arrays["truncated"][:], arrays["truncation_value"][:] = 1, 0, 0
+    before = learner.rows()[-1]
+    sock = push(ctx, learner.listen)
+    try:
+        for i in range(100):
+            view.refresh()
+            data = wire.encode_trajectories(
+                view.spec,
+                actor_id="ender",
+                seq=i,
+                policy_version=view.version,
+                incarnation=view.incarnation,
+                arrays=arrays,
+                episodes=[(1.0, 1)] * 2560,
+            )
+            sock.send(data)
+        row = learner.wait(lambda r: r["messages_received"] >= before["messages_received"] + 100, "the 100 messages")
+        row = learner.wait(lambda r: r["wall_s"] > row["wall_s"] + 1, "a report a second later")
+    finally:
+        sock.close(0)
+    assert row["episodes"] - before["episodes"] >= 100_000, "the ended episodes were counted: the attack landed"
+    schedule = 0.5 + 1.5 * row["env_steps_trained"] / 100_000_000  # CURRICULUM: 0.5 -> 2.0 over 100M env steps
+    assert row["difficulty"] <= schedule + 1e-9 and row["difficulty"] < 0.6, (row["difficulty"], schedule)
 
 
 def test_drops_count_what_was_received(learner, ctx):

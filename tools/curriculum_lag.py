@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""How far behind the learner's count the environments play, in episodes: the curriculum test's two CLI phases
-(tests/test_curriculum.py, test_cli_environments_follow_the_schedule_across_a_resume), then, for every metrics record
-past the start, episodes - 50 - the episode count at which the schedule gives the difficulty the last 100 episodes
-played (DifficultyProbe's reward is its episode's difficulty). Prints (worst lag in episodes, worst policy lag in
-versions) per run. Data in flight between the encoding of a difficulty and the counting of the episodes played with
-it is what this measures: socket buffers, queues, unrolls under way.
+"""How far behind the learner's count the environments play, in env steps (one-step episodes): the curriculum test's
+two CLI phases (tests/test_curriculum.py, test_cli_environments_follow_the_schedule_across_a_resume), then, for every
+metrics record past the start, env_steps_trained - 50 - the count at which the schedule gives the difficulty the last
+100 episodes played (DifficultyProbe's reward is its episode's difficulty). Prints (worst lag in steps, worst policy
+lag in versions) per run. Data in flight between the encoding of a difficulty and the training of the episodes played
+with it is what this measures: socket buffers, queues, the ring, unrolls under way.
 
     python tools/curriculum_lag.py --runs 5
 """
@@ -19,19 +19,19 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import CURRICULUM_EPISODES as N_EPISODES  # noqa: E402  (the test's run, exactly)
+from helpers import CURRICULUM_ENV_STEPS as N_STEPS  # noqa: E402  (the test's run, exactly)
 from helpers import CURRICULUM_FLAGS as FLAGS  # noqa: E402
 
 WINDOW = 100  # episode_return_mean: the last 100 episodes
 
 
-def episodes_at(difficulty: float) -> float:
-    return (difficulty - 0.5) / 1.5 * N_EPISODES
+def steps_at(difficulty: float) -> float:
+    return (difficulty - 0.5) / 1.5 * N_STEPS
 
 
 def one_run() -> tuple[int, int]:
     logdir = Path(tempfile.mkdtemp(prefix="curriculum-lag-")) / "run"
-    for args, budget in [([*FLAGS, "--logdir", str(logdir)], 3000), (["--resume", str(logdir)], N_EPISODES + 2100)]:
+    for args, budget in [([*FLAGS, "--logdir", str(logdir)], 3000), (["--resume", str(logdir)], N_STEPS + 2100)]:
         subprocess.run(
             [sys.executable, "-m", "impala_async", "train", *args, "--total-env-steps", str(budget)],
             stdout=subprocess.DEVNULL,
@@ -43,9 +43,9 @@ def one_run() -> tuple[int, int]:
     for line in (logdir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
         seen = r["episode_return_mean"]
-        if seen is None or r["episodes"] < 2100 or seen >= 2.0:
+        if seen is None or r["env_steps_trained"] < 2100 or seen >= 2.0:
             continue
-        worst = max(worst, r["episodes"] - WINDOW / 2 - episodes_at(seen))
+        worst = max(worst, r["env_steps_trained"] - WINDOW / 2 - steps_at(seen))
         lag = max(lag, r["policy_lag_max"] or 0)
     return round(worst), lag
 
@@ -56,7 +56,7 @@ def main() -> int:
     args = p.parse_args()
     for i in range(args.runs):
         worst, lag = one_run()
-        print(json.dumps({"run": i, "worst_lag_episodes": worst, "worst_policy_lag_versions": lag}), flush=True)
+        print(json.dumps({"run": i, "worst_lag_steps": worst, "worst_policy_lag_versions": lag}), flush=True)
     return 0
 
 

@@ -40,6 +40,10 @@ NOT_REPLAYED = ("logdir", *PER_INVOCATION)
 # says so.
 COMMAND_LINE_ONLY = ("listen", "publish", "insecure", "curve_keys", "num_actors", "allow_env_module")
 YAML_HINT = "pip install 'impala-async[yaml]'"
+RENAMED = {  # fields of earlier versions: what a file that still names one is told
+    "curriculum_episodes": "curriculum_env_steps: the curriculum moves with the env steps the learner trained, not the "
+    "episodes actors report (docs/design.md, Curriculum)",
+}
 MAX_CONFIG_FILE_BYTES = 1 << 20  # a --config file; a run's config.json is about 10 KB
 MAX_CONFIG_NESTING = 32  # brackets within brackets: a configuration has at most 2 (a list in a table)
 
@@ -285,6 +289,8 @@ def _flatten(data: dict, path: str) -> dict:
 
 
 def _put(out: dict, name: str, value, path: str) -> None:
+    if name in RENAMED:
+        raise ValueError(f"--config {path}: {name} is now {RENAMED[name]}")
     if name not in INDEX:
         raise ValueError(f"--config {path}: no configuration field {name!r} (see impala-async train --help)")
     if name in out:

@@ -132,15 +132,19 @@ class Env(Section):
     jpeg_quality: int = opt(90, "JPEG quality, 1 to 100, that actors encode images with under --obs-codec jpeg")
     curriculum: str = opt(
         "none",
-        "environment difficulty by the episodes actors finished: none, or linear "
-        "(curriculum_start to curriculum_end over curriculum_episodes); the value travels "
+        "environment difficulty by the env steps the learner trained: none, or linear "
+        "(curriculum_start to curriculum_end over curriculum_env_steps); the value travels "
         "with the weights and each environment gets it through "
         "env.unwrapped.set_difficulty(value) at its next reset (README, Curriculum)",
         choices=CURRICULA,
     )
-    curriculum_start: float = opt(0.5, "difficulty at episode 0")
-    curriculum_end: float = opt(2.0, "difficulty from curriculum_episodes on")
-    curriculum_episodes: int = opt(10_000, "episodes over which a linear curriculum goes from start to end")
+    curriculum_start: float = opt(0.5, "difficulty at 0 env steps trained")
+    curriculum_end: float = opt(2.0, "difficulty from curriculum_env_steps trained on")
+    curriculum_env_steps: int = opt(
+        1_000_000,
+        "env steps trained over which a linear curriculum goes from start to end (the learner's own count: no peer's "
+        "claim moves it)",
+    )
 
     def check(self) -> None:
         super().check()
@@ -148,7 +152,7 @@ class Env(Section):
             self.env_kwargs_dict  # noqa: B018 (parsed for its errors)
         except ValueError as e:
             raise ValueError(f"env_kwargs: {e}") from None
-        at_least(self, 1, "unroll_length", "curriculum_episodes")
+        at_least(self, 1, "unroll_length", "curriculum_env_steps")
         need(1 <= self.jpeg_quality <= 100, f"jpeg_quality must lie in [1, 100], got {self.jpeg_quality}")
         need(
             math.isfinite(self.curriculum_start) and math.isfinite(self.curriculum_end),

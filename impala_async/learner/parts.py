@@ -103,15 +103,15 @@ class Parts:
         )
 
     def create_publication(self, run_info: dict, publish: Callable[[bytes], None]) -> None:
-        """Weights out: encoded from the network with the run, the curriculum's difficulty (from every rank's
-        episodes) and the pace; ``publish(data)`` hands a message to the publisher from any thread."""
+        """Weights out: encoded from the network with the run, the curriculum's difficulty (from the env steps the
+        whole learner trained) and the pace; ``publish(data)`` hands a message to the publisher from any thread."""
         schedule = curriculum.from_config(self.cfg)
         self.publication = Publication(
             self.learner.model,
             run_info,
             self.incarnation,
             version=lambda: self.trainer.policy_version,
-            difficulty=(lambda: schedule.value(self.episodes())) if schedule is not None else lambda: None,
+            difficulty=(lambda: schedule.value(self.learner.env_steps_trained)) if schedule else lambda: None,
             pace=lambda: self.pacer.pace(self.ring.waiting_trajectories()),
             publish=publish,
             interval_s=self.cfg.network.publish_interval_s,
@@ -163,13 +163,6 @@ class Parts:
     def snapshot(self) -> counters.Snapshot:
         peers = self.ranks.peers if self.ranks is not None and self.ranks.rank == 0 else None
         return counters.take(self.sources(), peers)
-
-    def episodes(self) -> int:
-        """Episodes every rank's actors finished (the curriculum's clock)."""
-        own = self.ingest.episodes
-        if self.ranks is None or self.ranks.rank != 0:
-            return own
-        return own + sum(int(row.get("episodes", 0)) for row, _ in self.ranks.peers())
 
     def reset_interval(self) -> None:
         """After a report: the interval histograms start again."""
