@@ -310,8 +310,10 @@ def soak_steps(ctx: zmq.Context, listen: str, weights: str, metrics_port: int, s
     """Issue 15's attacks as (name, step) pairs for tools/soak.py's attacker, against its running CartPole learner,
     each short: fresh actor ids (10 a second for 5 s), one 256-trajectory message, 50 messages claiming 4,096 episodes,
     200 messages of another learner run, 100 weights subscribers that read nothing (held until cut, at most 30 s),
-    200K empty messages then 200 MiB unfinished, and 200 idle connections on the metrics port while /healthz is probed
-    (``seen`` gathers what the steps measured: probes answered 200, subscribers cut, bypass cut)."""
+    200K empty messages then 200 MiB unfinished, 200 idle connections on the metrics port while /healthz is probed;
+    and issue 27's: 200 connections sending 20 one-trajectory messages a second in all (10 s), 20 messages of 256
+    trajectories whose every step ends an episode (``seen`` gathers what the steps measured: probes answered 200,
+    subscribers cut, bypass cut, valid trajectories the attacker got accepted)."""
     import itertools
 
     import attacks_health
@@ -337,6 +339,39 @@ def soak_steps(ctx: zmq.Context, listen: str, weights: str, metrics_port: int, s
         for i in range(50):
             view.refresh()
             sock.send(message(view, actor=name, seq=i, seed=i, episodes=[(1.0, 1)] * 4096))
+
+    def slow_connections():  # issue 27, row 1: 20 one-trajectory messages a second in all over 200 connections
+        socks = [push(ctx, listen) for _ in range(200)]
+        for i in range(200):
+            if stop.is_set():
+                break
+            view.refresh()
+            socks[i].send(message(view, actor=f"slow-{next(ids)}", seq=0, seed=i))
+            seen["accepted"] = seen.get("accepted", 0) + 1
+            stop.wait(0.05)
+        for s in socks:
+            s.close(0)
+
+    def ended_episodes():  # issue 27, row 6: 20 messages of 256 trajectories whose every step ends an episode
+        view.refresh()
+        arrays = random_arrays(view.spec, 256, seed=7)
+        arrays["terminated"][:], arrays["truncated"][:], arrays["truncation_value"][:] = 1, 0, 0
+        name = f"ender-{next(ids)}"
+        for i in range(20):
+            view.refresh()
+            episodes = [(1.0, 1)] * min(4096, 256 * view.spec.unroll_length)
+            sock.send(
+                wire.encode_trajectories(
+                    view.spec,
+                    actor_id=name,
+                    seq=i,
+                    policy_version=view.version,
+                    incarnation=view.incarnation,
+                    arrays=arrays,
+                    episodes=episodes,
+                )
+            )
+            seen["accepted"] = seen.get("accepted", 0) + 256
 
     def other_run():
         view.refresh()
@@ -373,6 +408,8 @@ def soak_steps(ctx: zmq.Context, listen: str, weights: str, metrics_port: int, s
         ("idle_subscribers", idle_subscribers),
         ("credit_bypass", bypass),
         ("health_starvation", health),
+        ("slow_connections", slow_connections),
+        ("ended_episodes", ended_episodes),
     ]
 
 

@@ -12,7 +12,9 @@ Runs `impala-async train --env CartPole-v1` with local actors for --seconds whil
     then issue 15's (tests/attacks_control.py, soak_steps): valid messages from fresh actor ids, one 256-trajectory
     message, messages claiming 4,096 episodes, messages of another learner run claiming drops, 100 weights
     subscribers that read nothing, 200K empty messages followed by an unfinished 200 MiB one, and 200 idle
-    connections on the metrics port while /healthz is probed;
+    connections on the metrics port while /healthz is probed; then issue 27's: 20 one-trajectory messages a second
+    over 200 connections, messages whose every step ends an episode, and (where it may mount a tmpfs for the logdir,
+    --tmpfs-logdir-mib) the logdir's disk filled to the last byte for 10 s;
   - an honest subscriber counts the weights copies it receives (amplification).
 Before any of it, the honest actors' unattacked rate (trajectories received a second) is taken over --baseline-s.
 It samples the learner's resident memory every second. At the end it stops the learner with SIGTERM and checks:
@@ -21,8 +23,8 @@ checks resume applies (layout, finite weights), memory stayed flat after warm-up
 within --max-rss-growth-mib of the median of the minute after warm-up), the honest subscriber got at most
 --max-copies-per-s weights copies a second, the honest actors kept --min-honest-fraction of their unattacked rate
 (what the attacker got accepted is subtracted), every /healthz probe was answered 200, every stalled subscriber and
-every credit-bypass connection was cut, and a resume meeting a crafted FIFO and a stride-0 tensor as the two newest
-checkpoints sets both aside and loads the good one before them.
+every credit-bypass connection was cut, every line of metrics.jsonl parses, and a resume meeting a crafted FIFO and
+a stride-0 tensor as the two newest checkpoints sets both aside and loads the good one before them.
 
     python tools/soak.py --seconds 600 --json
 """
@@ -129,7 +131,14 @@ def garbage_sender(listen: str, weights: str, rate_per_s: float, stop: threading
 
 
 def attacker(
-    listen: str, weights: str, metrics_port: int, every_s: float, stop: threading.Event, done: list, seen: dict
+    listen: str,
+    weights: str,
+    metrics_port: int,
+    every_s: float,
+    stop: threading.Event,
+    done: list,
+    seen: dict,
+    disk: Path | None = None,
 ) -> None:
     """The heavier attacks, one every every_s, in turn: tests/attacks.py's, then issue 15's (tests/attacks_control.py,
     soak_steps)."""
@@ -158,6 +167,7 @@ def attacker(
         ("connection_flood", flood),
         ("resubscribe", lambda: attacks.resubscribe_flood(ctx, weights, 20, 5.0)),
         *attacks_control.soak_steps(ctx, listen, weights, metrics_port, stop, seen),
+        *([("full_disk", lambda: fill_disk(disk, 10.0, stop, seen))] if disk is not None else []),
     ]
     i = 0
     while not stop.wait(every_s):
@@ -170,6 +180,30 @@ def attacker(
         i += 1
     pusher.close(0)
     ctx.destroy(linger=0)
+
+
+def mount_tmpfs(directory: Path, mib: int) -> str:
+    """Mount a tmpfs of ``mib`` MiB on ``directory`` for the learner's logdir (issue 27, row 2: a disk that fills up);
+    "" if it is mounted, else why not (the soak then runs without the full-disk step)."""
+    if mib <= 0:
+        return "--tmpfs-logdir-mib 0"
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(directory)], capture_output=True)
+    return "" if done.returncode == 0 else f"cannot mount a tmpfs (root only): {done.stderr.decode().strip()}"
+
+
+def fill_disk(directory: Path, hold_s: float, stop: threading.Event, seen: dict) -> None:
+    """Fill ``directory``'s filesystem to the last byte, hold it ``hold_s``, free it again."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError:
+                pass
+    stop.wait(hold_s)
+    filler.unlink()
+    seen["disk_fills"] = seen.get("disk_fills", 0) + 1
 
 
 def unattacked_rate(logdir: Path, seconds: float, learner: subprocess.Popen) -> float:
@@ -220,10 +254,14 @@ def main() -> int:
         default=3.0,
         help="weights copies an honest subscriber may receive per second (publish interval 1 s)",
     )
+    p.add_argument(
+        "--tmpfs-logdir-mib", type=int, default=256, help="the logdir on a tmpfs this size, filled now and then"
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
 
     logdir = Path(tempfile.mkdtemp(prefix="soak-"))
+    no_disk = mount_tmpfs(logdir, a.tmpfs_logdir_mib)
     metrics_port = attacks_health._free_port()
     cmd = [
         sys.executable,
@@ -266,7 +304,9 @@ def main() -> int:
     threads = [
         threading.Thread(target=garbage_sender, args=(listen, weights, a.garbage_per_s, stop, sent), daemon=True),
         threading.Thread(
-            target=attacker, args=(listen, weights, metrics_port, a.attack_every_s, stop, done, seen), daemon=True
+            target=attacker,
+            args=(listen, weights, metrics_port, a.attack_every_s, stop, done, seen, None if no_disk else logdir),
+            daemon=True,
         ),
     ]
     for t in threads:
@@ -314,6 +354,7 @@ def main() -> int:
             code = "timeout"
         ctx.term()
     rows = read_metrics(logdir / "metrics.jsonl")
+    unparsed = _unparsed_lines(logdir / "metrics.jsonl")
     attacked = [r for r in rows if r["wall_s"] >= rows[0]["wall_s"] + a.baseline_s] if rows else []
     honest_rate = (
         (attacked[-1]["trajectories_received"] - attacked[0]["trajectories_received"] - seen.get("accepted", 0))
@@ -363,6 +404,9 @@ def main() -> int:
         "actors_killed": chaos["killed"],
         "actors_stopped": chaos["stopped"],
         "actor_restarts": final.get("actor_restarts"),
+        "disk_fills": seen.get("disk_fills", 0) if not no_disk else f"skipped: {no_disk}",
+        "logdir_mount": "" if no_disk else f"a tmpfs, left mounted to be read: umount {logdir}",
+        "metrics_lines_not_parsing": unparsed,
         "logdir": str(logdir),
     }
     ok = (
@@ -380,10 +424,23 @@ def main() -> int:
         and all(ok == n for ok, n in seen.get("health_probes", []))
         and all(seen.get("credit_bypass_cut", []))
         and all(cut == n for cut, n in seen.get("idle_subscribers_cut", []))
+        and unparsed == 0
+        and (bool(no_disk) or seen.get("disk_fills", 0) > 0)
     )
     result["ok"] = ok
     print(json.dumps(result) if a.json else json.dumps(result, indent=1))
     return 0 if ok else 1
+
+
+def _unparsed_lines(path: Path) -> int:
+    """Lines of metrics.jsonl that do not parse (a full disk must leave none)."""
+    bad = 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+    return bad
 
 
 if __name__ == "__main__":
