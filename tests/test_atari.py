@@ -35,6 +35,7 @@ def test_pong_is_preprocessed_to_stacked_84x84_frames():
         spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, 20)
         assert spec.obs_shape == (4, 84, 84) and spec.obs_dtype == "uint8" and spec.num_actions == 6
         obs, _ = env.reset(seed=1)
+        env.action_space.seed(1)  # the same 60 actions every run: the picture's grey levels depend on them
         assert obs.shape == (4, 84, 84) and obs.dtype == np.uint8
         frames = [obs]
         for _ in range(60):  # Pong's ball comes into play after about 60 agent steps of 4 frames

@@ -704,7 +704,8 @@ def test_the_pacer_from_the_configuration_and_its_counters():
     cfg = LearnerConfig.of(batch_size=8, ring_batches=5, pace_target_batches=2.5, learner_ranks=2).check()
     p = Pacer.from_config(cfg)
     assert (p.base_target, p.capacity, p.ranks) == (20.0, 40, 2)
-    p.accepted("a", 8, now=0.0)
+    for i in range(21):  # one sender faster than the learner: 168 a second reach this rank, half of what it sends
+        p.accepted("a", 8, now=i * 0.05)
     for i in range(11):  # 10 batches of 8 after the first in 1 s: 80 a second on this rank, 160 on the learner
         p.consumed(8, 0.0, now=i * 0.1)
     pace = p.pace(20, now=1.0)  # at the target: factor 1
@@ -725,8 +726,10 @@ def test_a_learner_that_stopped_consuming_slows_the_pace_and_senders_are_bounded
     """The rate is measured up to now: a trainer that stopped taking batches advertises a falling rate (a slower
     pace), not its old one; at most max_tracked_senders actors are remembered (the least recent forgotten)."""
     p = Pacer(target_trajectories=16, window_s=5.0, max_pace_s_per_trajectory=10.0, max_tracked_senders=2)
-    for actor in ("a", "b", "c"):
-        p.accepted(actor, 16, now=0.0)
+    p.accepted("a", 16, now=0.0)  # forgotten when a third sender comes: the least recent
+    for i in range(11):  # b and c each send 160 a second, faster than their share: both held to it
+        for actor in ("b", "c"):
+            p.accepted(actor, 16, now=i * 0.1)
     for i in range(11):
         p.consumed(16, 0.0, now=i * 0.1)  # 160 trajectories over the 1 s after the first batch
     assert p.pace(16, now=1.0) == pytest.approx(2 / 160) and p.senders == 2

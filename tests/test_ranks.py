@@ -251,10 +251,14 @@ def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
         assert saved["learner"]["updates"] >= 20
         for r in range(2):
             (logdir / f"rank-{r}-state.pt").unlink(missing_ok=True)
-        # Resume: both ranks from rank 0's checkpoint (its configuration: 2 ranks, the same ports), the surviving
-        # actors carry on; 30 more updates of 2 x 4 x 10 steps, then the run ends by itself.
+        # Resume: both ranks from rank 0's checkpoint (its configuration: 2 ranks; the same ports, typed again: a
+        # checkpoint cannot set an address), the surviving actors carry on; 30 more updates of 2 x 4 x 10 steps, then
+        # the run ends by itself.
         more = saved["learner"]["env_steps_trained"] + 30 * 2 * 4 * 10
-        learner = cli("learner", "--resume", str(logdir), "--total-env-steps", str(more), log=llog2)
+        learner = cli(
+            "learner", "--resume", str(logdir), "--listen", f"tcp://127.0.0.1:{port}", "--total-env-steps", str(more),
+            log=llog2,
+        )  # fmt: skip
         assert learner.wait(120) == 0, tail(llog2)
         state = assert_ranks_identical(logdir)
         assert state["updates"] == saved["learner"]["updates"] + 30, (state["updates"], saved["learner"]["updates"])
