@@ -133,6 +133,13 @@ def stop(proc: subprocess.Popen, timeout_s: float = 15) -> None:
                 pass
 
 
+def free_port() -> int:
+    """A port free on 127.0.0.1 (for --metrics-port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def free_port_pair() -> int:
     """A port p such that p and p + 1 are both free on 127.0.0.1 (for --listen and its default --publish)."""
     for _ in range(100):

@@ -10,10 +10,11 @@ import json
 import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
-from procutil import cli, stop, tail, wait_for
+from procutil import cli, free_port, stop, tail, wait_for
 
 from impala_async.learner import checkpoint
 
@@ -99,6 +100,37 @@ def test_a_full_disk_is_weather(small_fs, tmp_path):
         spoil=lambda: box.update(filler=fill(small_fs)),
         mend=lambda: box["filler"].unlink(),
     )
+
+
+def scraped(port: int, name: str = "learner_steps") -> int:
+    """A counter of the learner's /metrics (for when its console cannot be written either)."""
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return -1  # not (or no longer) serving: wait_for names the learner's exit, if that is why
+    return int(float(re.search(rf"^impala_async_{name}_total (\S+)$", body, re.M).group(1)))
+
+
+def test_a_full_disk_under_the_console_too(small_fs, tmp_path):
+    """`train > LOGDIR/train.log 2>&1` (nohup, a soak): the console's own file is on the full disk. Nothing the
+    learner writes there may end it; it trains through the spell (seen on /metrics), says the faults once space is
+    back, and exits 0 with a checkpoint written after the spell."""
+    logdir, log, port = small_fs / "run", small_fs / "train.log", free_port()
+    proc = cli("train", *SMALL, "--logdir", str(logdir), "--metrics-port", str(port), log=log)
+    try:
+        wait_for(lambda: checkpoint.list_checkpoints(logdir), 120, "a first checkpoint", proc, log)
+        wait_for(lambda: scraped(port) > 0, 60, "updates on /metrics", proc, log)
+        filler = fill(small_fs)
+        before = scraped(port)
+        wait_for(lambda: scraped(port, "checkpoint_failures") > 0, 60, "a checkpoint failed", proc, log)
+        wait_for(lambda: scraped(port) > before + 50, 60, "training with the console's disk full", proc, log)
+        filler.unlink()
+        wait_for(lambda: "checkpoint written again" in log.read_text(), 60, "the disk taken up again", proc, log)
+        stop(proc)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0 and "Traceback" not in log.read_text(), tail(log, 60)
+    strict_lines(logdir / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("fault", ["full", "read-only"])

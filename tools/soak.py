@@ -159,15 +159,15 @@ def attacker(
     def subscriptions():
         attacks.subscription_flood(host, wport, 20_000)
 
-    steps = [
+    steps = [  # the full disk second: a 10-minute soak reaches about 15 steps, and row 2 must run in every one
         ("tree", lambda: pusher.send(attacks.tree_message("actor", 4 << 20), zmq.NOBLOCK)),
+        *([("full_disk", lambda: fill_disk(disk, 10.0, stop, seen))] if disk is not None else []),
         ("multipart", lambda: attacks.unfinished_multipart(host, port, 200 << 20)),
         ("oversized_frame", lambda: attacks.oversized_frame(host, wport, 2 << 30, 100 << 20)),
         ("subscriptions", subscriptions),
         ("connection_flood", flood),
         ("resubscribe", lambda: attacks.resubscribe_flood(ctx, weights, 20, 5.0)),
         *attacks_control.soak_steps(ctx, listen, weights, metrics_port, stop, seen),
-        *([("full_disk", lambda: fill_disk(disk, 10.0, stop, seen))] if disk is not None else []),
     ]
     i = 0
     while not stop.wait(every_s):

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 
 from ..config import Layered, LearnerConfig, from_flat, layers
 from ..config.resolve import Probe, addresses, fit_connections, resolve
+from ..ops.console import say
 from . import ranks
 
 log = logging.getLogger("impala_async.learner.main")
@@ -244,7 +244,7 @@ def _serve(
     )
     code = uvloop.run(server.serve())
     if code and server.lead:
-        print(f"impala-async: stopped: {server.exit_reason}", file=sys.stderr)
+        say(f"impala-async: stopped: {server.exit_reason}")
     return code if group is None else group.exit(code)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.wire import REJECT_REASONS
+from ..ops.console import say
 from .counters import Snapshot
 from .guard import CUT_REASONS
 from .histograms import RHO_BIN_EDGES, Totals
@@ -336,14 +337,11 @@ class Progress:
             f"rejected {r['trajectories_rejected']}  dropped {r['trajectories_dropped']}"
         )
         if self.tty:
-            self.stream.write("\r\x1b[2K" + text)
-            self._open = True
+            self._open = say("\r\x1b[2K" + text, self.stream, end="")
         else:
-            self.stream.write(text + "\n")
-        self.stream.flush()
+            say(text, self.stream)
 
     def close(self) -> None:
         if self._open:
-            self.stream.write("\n")
-            self.stream.flush()
+            say("", self.stream)
             self._open = False

@@ -28,6 +28,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,7 @@ from ..config import LearnerConfig
 from ..core import wire
 from ..core.spec import TrajectorySpec
 from ..ops import exitcodes
+from ..ops.console import say
 from . import checkpoint, prom, tasks
 from .intake import Intake
 from .learn import Learner
@@ -162,10 +164,10 @@ class LearnerServer:
                 ", ingest only" if self.cfg.run.ingest_only else "",
             )
             ranks = self.run_info.get("trajectory_addresses", [])
-            print(
+            say(
                 f"impala-async learner listening: --learner {self.parts.listen} --weights {self.parts.publish}"
                 + (f" (learner ranks: {' '.join(ranks)})" if len(ranks) > 1 else ""),
-                flush=True,
+                sys.stdout,
             )
         if self.actors is not None:
             self.actors.start()
