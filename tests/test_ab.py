@@ -4,12 +4,16 @@ runs (tiny CartPole arms), resumable and with its table checked against the runs
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from helpers import tool
+from procutil import wait_for
+
+from impala_async.learner.metrics import read_metrics
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "ab.py"
 ab = tool("ab")
@@ -127,3 +131,45 @@ def test_the_tool_runs_the_arms_and_reports_what_their_metrics_say(tmp_path):
     again = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "2 runs done, 0 to go" in again.stdout, again.stdout
     assert before == {arm: (d / "metrics.jsonl").stat().st_mtime for arm, d in runs.items()}, "a run ran again"
+
+
+def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path):
+    """The harness stopped (SIGTERM, as a supervisor or a session's end would) mid-run: its run writes a checkpoint and
+    stops; the next invocation continues that run from it (train --resume), not from scratch, and says so."""
+    experiment = tmp_path / "long.toml"
+    flags = {**TINY, "checkpoint_interval_s": 0.5, "lr_schedule": "constant"}
+    experiment.write_text(
+        'name = "long"\nseeds = [0]\ntotal_env_steps = 100000\n'
+        + "flags = { "
+        + ", ".join(f"{k} = {json.dumps(v)}" for k, v in flags.items())
+        + " }\n[arms.only]\n"
+    )
+    out, logdir = tmp_path / "ab", tmp_path / "ab" / "long" / "only" / "s0"
+    args = [sys.executable, str(TOOL), str(experiment), "--out", str(out)]
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(
+            lambda: any(logdir.glob("checkpoint-*.pt")) and read_metrics(logdir / "metrics.jsonl"),
+            120,
+            "a checkpoint",
+            first,
+        )
+    finally:
+        first.send_signal(signal.SIGTERM)
+        said = first.communicate(timeout=120)[0]
+    assert not (logdir / "ab-run.json").exists(), said
+    first_rows = read_metrics(logdir / "metrics.jsonl")
+    cut_at = max(r["env_steps"] for r in first_rows)
+    assert 0 < cut_at < 100_000, "stopped mid-run"
+
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "resumed from its newest checkpoint (resume 1)" in again.stdout, again.stdout
+    record = json.loads((logdir / "ab-run.json").read_text())
+    assert record["exit_code"] == 0 and record["resumes"] == 1 and "--resume" in record["command"]
+    steps = [r["env_steps"] for r in read_metrics(logdir / "metrics.jsonl")]
+    assert steps[-1] >= 100_000 and min(steps) < cut_at, "one curve: the first segment's records, then the rest"
+    resumed = steps[len(first_rows) :]
+    assert resumed and min(resumed) > 0.5 * cut_at, "the second segment continued from a checkpoint, not from 0"
+    assert record["wall_s"] == pytest.approx(max(r["wall_s"] for r in read_metrics(logdir / "metrics.jsonl")), abs=0.1)
+    row = next(line for line in (out / "long" / "summary.md").read_text().splitlines() if line.startswith("| only |"))
+    assert row.startswith("| only | 1 ") and "(1 resumed) |" in row, row

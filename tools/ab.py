@@ -23,7 +23,11 @@ EXPERIMENT.toml names the arms and what they share (the configuration layers of 
 
 Runs go one at a time (``--parallel 2`` runs two at once, for runs that each leave a core idle); seed by seed, the arms
 alternating, so that a stopped experiment leaves every arm with as many seeds as the others. A run whose directory
-holds ``ab-run.json`` is finished and is not run again: a rerun of the command completes an experiment. The table
+holds ``ab-run.json`` is finished and is not run again: a rerun of the command completes an experiment. A run that was
+cut short (the harness stopped, the machine restarted) continues from its newest checkpoint (``train --resume``, the
+same command line), so a Pong A/B of many hours can span sessions; one with no checkpoint yet starts again. A resumed
+run's wall time is its training time (the metrics' ``wall_s``, carried by its checkpoints), without the minutes lost
+between its last checkpoint and the cut, and the table counts it as resumed. The table
 gives, per arm, the median and the range over its seeds of the final return (the mean of the last 100 episodes at the
 last report), the return at each checkpoint, the env steps and wall time to the threshold (with how many seeds
 reached it), the wall time and the env steps/s; it is printed and written to OUT/NAME/summary.md (and .json), the
@@ -149,12 +153,12 @@ def reached(logdir: Path, threshold: float | None) -> bool:
 class Run:
     """One `train` process of the experiment, its output in LOGDIR/train.log, and its record, ab-run.json."""
 
-    def __init__(self, exp: Experiment, arm: str, seed: int, logdir: Path):
-        self.exp, self.arm, self.seed, self.logdir = exp, arm, seed, logdir
-        self.cmd = command(exp, arm, seed, logdir)
+    def __init__(self, exp: Experiment, arm: str, seed: int, logdir: Path, resumes: int = 0):
+        self.exp, self.arm, self.seed, self.logdir, self.resumes = exp, arm, seed, logdir, resumes
+        self.cmd = command(exp, arm, seed, logdir) + (["--resume", str(logdir)] if resumes else [])
         self.load = os.getloadavg()[0]
         logdir.mkdir(parents=True, exist_ok=True)
-        self.log = open(logdir / "train.log", "w")  # noqa: SIM115 (closed in finish())
+        self.log = open(logdir / "train.log", "a" if resumes else "w")  # noqa: SIM115 (closed in finish())
         self.started = time.time()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.stopped = ""
@@ -178,17 +182,37 @@ class Run:
 
     def finish(self) -> dict:
         self.log.close()
+        wall_s = time.time() - self.started
+        if self.resumes:  # the training time its checkpoints carried across the cuts
+            wall_s = max([r["wall_s"] for r in read_metrics(self.logdir / "metrics.jsonl")] or [wall_s])
         record = {
             "arm": self.arm,
             "seed": self.seed,
             "command": self.cmd,
             "exit_code": self.proc.returncode,
-            "wall_s": round(time.time() - self.started, 1),
+            "wall_s": round(wall_s, 1),
             "load_at_start": round(self.load, 2),
             "stopped": self.stopped,
+            "resumes": self.resumes,
         }
         (self.logdir / "ab-run.json").write_text(json.dumps(record, indent=1))
         return record
+
+
+def cut_short(logdir: Path) -> int:
+    """How many times the run in ``logdir`` was resumed, counting the resume about to be made; 0 when it starts afresh
+    (no directory, or one without a checkpoint: removed)."""
+    if not logdir.exists():
+        return 0
+    if not any(logdir.glob("checkpoint-*.pt")):
+        print(f"ab: {logdir} was cut short before its first checkpoint: started again", flush=True)
+        subprocess.run(["rm", "-rf", str(logdir)], check=True)
+        return 0
+    marker = logdir / "ab-resumes"
+    resumes = int(marker.read_text() or 0) + 1 if marker.exists() else 1
+    marker.write_text(str(resumes))
+    print(f"ab: {logdir} was cut short: resumed from its newest checkpoint (resume {resumes})", flush=True)
+    return resumes
 
 
 def run_all(exp: Experiment, out: Path, parallel: int) -> None:
@@ -199,10 +223,7 @@ def run_all(exp: Experiment, out: Path, parallel: int) -> None:
         while todo or running:
             while todo and len(running) < parallel:
                 arm, seed, logdir = todo.pop(0)
-                if logdir.exists():  # a run cut short by a stopped experiment: from scratch
-                    print(f"ab: {logdir} has no ab-run.json (interrupted): started again", flush=True)
-                    subprocess.run(["rm", "-rf", str(logdir)], check=True)
-                run = Run(exp, arm, seed, logdir)
+                run = Run(exp, arm, seed, logdir, resumes=cut_short(logdir))
                 busy = f" (busy: load {run.load:.2f})" if run.load > BUSY_LOAD else ""
                 print(f"ab: start {arm} seed {seed}{busy}: {' '.join(run.cmd[1:])}", flush=True)
                 running.append(run)
@@ -244,6 +265,7 @@ def run_figures(exp: Experiment, logdir: Path) -> dict:
         "env_steps": last[0].get("env_steps"),
         "env_steps_per_s": (last[0].get("env_steps") or 0) / wall_s if wall_s else None,
         "busy": record["load_at_start"] > BUSY_LOAD,
+        "resumed": record.get("resumes", 0) > 0,
         "exit_code": record["exit_code"],
     }
 
@@ -287,6 +309,7 @@ def table(exp: Experiment, summary: dict) -> str:
     for arm, s in summary.items():
         runs = s["runs"]
         seeds = f"{len(runs)}" + (f" ({sum(r['busy'] for r in runs)} busy)" if any(r["busy"] for r in runs) else "")
+        seeds += f" ({sum(r['resumed'] for r in runs)} resumed)" if any(r["resumed"] for r in runs) else ""
         seeds += f", {sum(r['exit_code'] != 0 for r in runs)} failed" if any(r["exit_code"] for r in runs) else ""
         cells = [arm, seeds] + [fmt(a) for a in s["at"]] + [fmt(s["final"])]
         if exp.threshold is not None:
@@ -325,6 +348,7 @@ def main(argv=None) -> int:
         print(f"ab: {e}", file=sys.stderr)
         return 2
     out = args.out / exp.name
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped by a supervisor: its runs stop, resumable
     if args.dry_run:
         for arm, seed, logdir in planned(exp, out):
             print(" ".join(command(exp, arm, seed, logdir)))

@@ -6,25 +6,25 @@ Runs `impala-async train --env CartPole-v1` with local actors for --seconds whil
   - a sender pushes --garbage-per-s hostile messages (random bytes, truncated and corrupted valid messages, NaN
     rewards, bad actions, future versions, replays, multipart messages, contradicting flags, absurd episodes,
     sent_at_ns 0, extreme but finite values that would poison the model);
-  - an attacker cycles through the heavier attacks of tests/attacks.py, one every --attack-every-s: a 4 MiB message
-    of a million objects, unfinished multipart messages (200 MiB offered), a 2 GiB frame on the weights socket,
-    20K distinct subscriptions, 300 connections that never handshake (held 5 s), and 20 re-subscriptions a second;
-    then issue 15's (tests/attacks_control.py, soak_steps): valid messages from fresh actor ids, one 256-trajectory
-    message, messages claiming 4,096 episodes, messages of another learner run claiming drops, 100 weights
-    subscribers that read nothing, 200K empty messages followed by an unfinished 200 MiB one, and 200 idle
-    connections on the metrics port while /healthz is probed; then issue 27's: 20 one-trajectory messages a second
-    over 200 connections, messages whose every step ends an episode, and (where it may mount a tmpfs for the logdir,
-    --tmpfs-logdir-mib) the logdir's disk filled to the last byte for 10 s;
+  - an attacker cycles through the heavier attacks, --attack-every-s apart, every one of them within --seconds:
+    tests/attacks.py's, a 4 MiB message of a million objects, then (where it may mount a tmpfs for the logdir,
+    --tmpfs-logdir-mib) the logdir's disk filled to the last byte for 10 s, unfinished multipart messages (200 MiB
+    offered), a 2 GiB frame on the weights socket, 20K distinct subscriptions, 300 connections that never handshake
+    (held 5 s), and 20 re-subscriptions a second; then issue 15's (tests/attacks_control.py, soak_steps): valid
+    messages from fresh actor ids, one 256-trajectory message, messages claiming 4,096 episodes, messages of another
+    learner run claiming drops, 100 weights subscribers that read nothing, 200K empty messages followed by an
+    unfinished 200 MiB one, and 200 idle connections on the metrics port while /healthz is probed; then issue 27's:
+    20 one-trajectory messages a second over 200 connections, and messages whose every step ends an episode;
   - an honest subscriber counts the weights copies it receives (amplification).
 Before any of it, the honest actors' unattacked rate (trajectories received a second) is taken over --baseline-s.
 It samples the learner's resident memory every second. At the end it stops the learner with SIGTERM and checks:
-exit code 0, training progressed (learner steps grew in every quarter of the run), the newest checkpoint passes the
-checks resume applies (layout, finite weights), memory stayed flat after warm-up (the median RSS of the last minute is
-within --max-rss-growth-mib of the median of the minute after warm-up), the honest subscriber got at most
---max-copies-per-s weights copies a second, the honest actors kept --min-honest-fraction of their unattacked rate
-(what the attacker got accepted is subtracted), every /healthz probe was answered 200, every stalled subscriber and
-every credit-bypass connection was cut, every line of metrics.jsonl parses, and a resume meeting a crafted FIFO and
-a stride-0 tensor as the two newest checkpoints sets both aside and loads the good one before them.
+every attack ran, exit code 0, training progressed (learner steps grew in every quarter of the run), the newest
+checkpoint passes the checks resume applies (layout, finite weights), memory stayed flat after warm-up (the median RSS
+of the last minute is within --max-rss-growth-mib of the median of the minute after warm-up), the honest subscriber got
+at most --max-copies-per-s weights copies a second, the honest actors kept --min-honest-fraction of their unattacked
+rate (what the attacker got accepted is subtracted), every /healthz probe was answered 200, every stalled subscriber
+and every credit-bypass connection was cut, every line of metrics.jsonl parses, and a resume meeting a crafted FIFO
+and a stride-0 tensor as the two newest checkpoints sets both aside and loads the good one before them.
 
     python tools/soak.py --seconds 600 --json
 """
@@ -169,14 +169,18 @@ def attacker(
         ("resubscribe", lambda: attacks.resubscribe_flood(ctx, weights, 20, 5.0)),
         *attacks_control.soak_steps(ctx, listen, weights, metrics_port, stop, seen),
     ]
+    seen["steps"] = [name for name, _ in steps]
+    took = seen.setdefault("step_s", {})
     i = 0
     while not stop.wait(every_s):
         name, run = steps[i % len(steps)]
+        t0 = time.monotonic()
         try:
             run()
             done.append(name)
         except (OSError, zmq.ZMQError) as e:
             done.append(f"{name}: {type(e).__name__}")
+        took[name] = round(max(took.get(name, 0.0), time.monotonic() - t0), 1)
         i += 1
     pusher.close(0)
     ctx.destroy(linger=0)
@@ -245,7 +249,7 @@ def main() -> int:
     p.add_argument("--min-honest-fraction", type=float, default=0.5, help="of the unattacked rate, under attack")
     p.add_argument("--kill-every-s", type=float, default=20)
     p.add_argument("--garbage-per-s", type=float, default=50)
-    p.add_argument("--attack-every-s", type=float, default=10)
+    p.add_argument("--attack-every-s", type=float, default=2, help="pause between two attacks (every one must run)")
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--max-rss-growth-mib", type=float, default=20)
     p.add_argument(
@@ -389,10 +393,12 @@ def main() -> int:
         "honest_copies_per_s": round(copies_per_s, 2) if copies_per_s is not None else None,
         "honest_trajectories_per_s_unattacked": round(baseline, 1),
         "honest_trajectories_per_s_attacked": round(honest_rate, 1) if honest_rate is not None else None,
-        "issue15": {k: v for k, v in seen.items() if k != "accepted"},
+        "issue15": {k: v for k, v in seen.items() if k not in ("accepted", "steps", "step_s")},
         "hostile_checkpoints": hostile,
         "garbage_sent": sent[0],
         "attacks": {name: done.count(name) for name in sorted(set(done))},
+        "attacks_not_run": [name for name in seen.get("steps", []) if name not in done],
+        "attack_s_max": seen.get("step_s", {}),
         "messages_rejected": final.get("messages_rejected"),
         "rejected_by_reason": {k[len("rejected_") :]: v for k, v in final.items() if k.startswith("rejected_") and v},
         "connections_cut": {
@@ -420,6 +426,8 @@ def main() -> int:
         and honest_rate is not None
         and honest_rate >= a.min_honest_fraction * baseline
         and hostile["resumed_from_good"]
+        and seen.get("steps")
+        and not result["attacks_not_run"]  # every attack, each without an error
         and all(seen.get(k) for k in ("health_probes", "credit_bypass_cut", "idle_subscribers_cut"))  # each ran
         and all(ok == n for ok, n in seen.get("health_probes", []))
         and all(seen.get("credit_bypass_cut", []))
