@@ -1,8 +1,8 @@
 """V-trace off-policy targets (Espeholt et al. 2018, section 4.1).
 
-Pure torch; no I/O. Everything is time-major: ``[T, ...]`` where ``...`` is any number of batch dimensions
-(``[B]``, ``[B, N]``, ...). Computation is done in fp32 whatever the input dtype or autocast state, and the targets
-carry no gradient.
+Pure torch (and numpy for the recursion on the CPU); no I/O. Everything is time-major: ``[T, ...]`` where ``...`` is
+any number of batch dimensions (``[B]``, ``[B, N]``, ...). Computation is done in fp32 whatever the input dtype or
+autocast state, and the targets carry no gradient.
 
 Definition (the paper's, not the source article's pseudocode, whose backward loop drops ``V(x_s) + delta_s``)::
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +40,35 @@ def action_log_probs(policy_logits: torch.Tensor, actions: torch.Tensor) -> torc
     """log softmax(policy_logits)[actions] in fp32. logits ``[T, ..., A]``, actions ``[T, ...]`` -> ``[T, ...]``."""
     log_probs = F.log_softmax(policy_logits.float(), dim=-1)
     return log_probs.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1)
+
+
+def backward_sums(deltas: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """``out[t] = deltas[t] + decay[t] * out[t+1]`` backwards from ``out[T] = 0``; ``[T, ...]`` fp32 in and out.
+
+    A recursion over T: on the CPU it runs in numpy, whose small operations cost a fraction of torch's dispatch (an
+    update of MinAtar's B 8 x T 20 spent ~120 torch operations here; BENCHMARKS.md section 19), on other devices in
+    torch. Both evaluate the same expression in the same order."""
+    T = deltas.shape[0]
+    if deltas.device.type == "cpu":
+        d, k = deltas.numpy(), decay.numpy()
+        out = np.empty_like(d)
+        acc = np.zeros_like(d[0])
+        for t in range(T - 1, -1, -1):
+            acc = d[t] + k[t] * acc
+            out[t] = acc
+        return torch.from_numpy(out)
+    return _torch_backward_sums(deltas, decay)
+
+
+def _torch_backward_sums(deltas: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """:func:`backward_sums` in torch, for tensors off the CPU."""
+    T = deltas.shape[0]
+    out = torch.empty_like(deltas)
+    acc = torch.zeros_like(deltas[0])
+    for t in range(T - 1, -1, -1):
+        acc = deltas[t] + decay[t] * acc
+        out[t] = acc
+    return out
 
 
 def _clip(x: torch.Tensor, threshold: float | None) -> torch.Tensor:
@@ -93,13 +123,7 @@ def from_importance_weights(
         deltas = clipped_rhos * (rewards + discounts * values_t_plus_1 - values)
 
         # v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})), backwards from 0 at s = T.
-        vs_minus_v = torch.empty_like(values)
-        acc = torch.zeros_like(bootstrap_value)
-        decay = discounts * cs
-        for t in range(values.shape[0] - 1, -1, -1):
-            acc = deltas[t] + decay[t] * acc
-            vs_minus_v[t] = acc
-        vs = vs_minus_v + values
+        vs = backward_sums(deltas, discounts * cs) + values
 
         vs_t_plus_1 = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)], dim=0)
         pg_advantages = _clip(rhos, clip_pg_rho_threshold) * (rewards + discounts * vs_t_plus_1 - values)
