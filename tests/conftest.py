@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import zmq
 
 from impala_async.core.spec import TrajectorySpec
 
@@ -18,3 +19,11 @@ def cartpole_spec():
 @pytest.fixture
 def atari_spec():
     return TrajectorySpec(obs_shape=(4, 84, 84), obs_dtype="uint8", num_actions=6, unroll_length=4)
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    """A ZeroMQ context for a test module's sockets, destroyed (linger 0) after its last test."""
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)

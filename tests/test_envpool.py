@@ -142,7 +142,7 @@ ale_py = pytest.importorskip("ale_py", reason="the reference needs the atari ext
 pytest.importorskip("cv2", reason="the reference needs the atari extra")
 
 from ale_py import roms  # noqa: E402
-from test_atari_doc import DocAtari  # noqa: E402
+from doc_atari import DocAtari  # noqa: E402
 
 from impala_async.actors.vec import EnvPoolEnvs  # noqa: E402
 

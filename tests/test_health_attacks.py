@@ -21,7 +21,7 @@ import time
 
 import attacks_health as attack
 import pytest
-from procutil import cli, free_port_pair, stop, tail, wait_for
+from procutil import cli, free_port, free_port_pair, stop, tail, wait_for
 from prometheus_client import CollectorRegistry, generate_latest, parser
 
 from impala_async.actors import observe
@@ -29,12 +29,6 @@ from impala_async.config import MetricsHttp
 from impala_async.ops import httpd
 
 FLAGS = [*attack.TRAIN_FLAGS]  # CartPole, one actor, tiny batches: a learner that trains within seconds
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

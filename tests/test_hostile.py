@@ -109,13 +109,6 @@ def repacked(data: bytes, mutate) -> bytes:
 
 
 @pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-@pytest.fixture
 def training(tmp_path, ctx):
     """A learner with one real actor attached, already training."""
     learner = Learner(tmp_path, ctx)

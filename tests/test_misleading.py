@@ -17,7 +17,6 @@ import time
 
 import msgpack
 import pytest
-import zmq
 from attacks import LearnerView, message, push
 from helpers import random_arrays
 from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
@@ -82,13 +81,6 @@ class Learner:
         if self.actor is not None:
             stop(self.actor)
         stop(self.proc)
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 @pytest.fixture(scope="module")

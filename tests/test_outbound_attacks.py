@@ -93,13 +93,6 @@ class Learner:
 
 
 @pytest.fixture(scope="module")
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-@pytest.fixture(scope="module")
 def learner(tmp_path_factory):
     """Subscribers stalled for 2 s are cut; trajectory connections may hold 2 MiB unread (messages up to 1 MiB)."""
     one = Learner(

@@ -1,12 +1,11 @@
 """What a peer reads, and what it leaves untaken (issue 15, classes 3 and 4): the connection guard's credit per message
-and its outbound watch of the weights socket, in process over real ZeroMQ sockets on loopback (tests/test_parts.py's
+and its outbound watch of the weights socket, in process over real ZeroMQ sockets on loopback (tests/loopback.py's
 helpers; tests/test_outbound_attacks.py drives the same through a real learner)."""
 
 from __future__ import annotations
 
-import pytest
 import zmq
-from test_parts import (
+from loopback import (
     DEADLINE_S,
     checked,
     joined,
@@ -25,13 +24,6 @@ from impala_async.learner.guard import (
     unread_bytes,
 )
 from impala_async.learner.publisher import WeightsPublisher
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def test_the_guard_credits_a_message_with_what_it_took_on_the_wire(ctx):

@@ -22,21 +22,30 @@ import numpy as np
 import pytest
 import zmq
 from helpers import random_arrays
+from loopback import (
+    DEADLINE_S,
+    checked,
+    joined,
+    publisher,
+    pull_with_guard,
+    pusher,
+    receive,
+    subscriber,
+    wait_until,
+)
 
 from impala_async.config import LearnerConfig
 from impala_async.core import wire
 from impala_async.core.ring import TrajectoryRing
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner import counters, metrics
-from impala_async.learner.guard import PER_CONNECTION_OVERHEAD_BYTES, ConnectionGuard, guard_source
+from impala_async.learner.guard import PER_CONNECTION_OVERHEAD_BYTES, guard_source
 from impala_async.learner.histograms import RHO_BIN_EDGES
 from impala_async.learner.ingest import UNAUTHENTICATED, Ingest
 from impala_async.learner.pacing import Pacer
-from impala_async.learner.publisher import WeightsPublisher
 
 SPEC = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
 INCARNATION = 7
-DEADLINE_S = 5.0
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -136,15 +145,6 @@ def trajectory_nbytes(arrays: dict) -> int:
 
 def ring_state(ring: TrajectoryRing) -> tuple[int, int, int]:
     return ring.room(), ring.waiting_trajectories(), ring.ready_batches()
-
-
-def wait_until(condition, what: str, timeout_s: float = DEADLINE_S) -> None:
-    """Poll ``condition()`` (which may do work, e.g. read a socket) until it is true; fail after ``timeout_s``."""
-    end = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
 
 
 # ------------------------------------------------------------------------------------------------------ ingest
@@ -428,47 +428,6 @@ def test_a_message_waits_for_ring_room_when_full():
 
 
 # --------------------------------------------------------------------------------------------------- publisher
-@pytest.fixture
-def ctx():
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-def publisher(ctx, **flags):
-    cfg = LearnerConfig.of(**flags).check()
-    pub = WeightsPublisher(ctx, cfg.network, cfg.limits)
-    return pub, pub.bind("tcp://127.0.0.1:*")
-
-
-def subscriber(ctx, address: str, *topics: bytes, reconnect: bool = True) -> zmq.Socket:
-    s = ctx.socket(zmq.SUB)
-    s.setsockopt(zmq.LINGER, 0)
-    if not reconnect:
-        s.setsockopt(zmq.RECONNECT_IVL, -1)
-    for topic in topics or (b"",):
-        s.setsockopt(zmq.SUBSCRIBE, topic)
-    s.connect(address)
-    return s
-
-
-def joined(pub: WeightsPublisher, n: int) -> None:
-    """Read subscription messages until ``n`` subscriptions have been applied."""
-
-    def applied():
-        if pub.sock.poll(10):
-            pub.read_subscriptions()
-        return pub.subscriptions >= n
-
-    wait_until(applied, f"{n} subscriptions")
-    assert pub.subscriptions == n
-
-
-def receive(sock: zmq.Socket) -> bytes:
-    assert sock.poll(int(DEADLINE_S * 1000)), "nothing received"
-    return sock.recv(zmq.NOBLOCK)
-
-
 def test_weights_reach_subscribers_once_their_subscription_is_applied(ctx):
     """Manual subscriptions: weights published before the learner applied a subscription do not reach it (the first
     message it gets is the next one); ``publish`` reaches every subscriber; counters agree. Guards against the XPUB
@@ -583,27 +542,6 @@ def test_other_topics_are_ignored_and_too_many_subscription_messages_cut(ctx):
 
 
 # ------------------------------------------------------------------------------------------------------- guard
-def pull_with_guard(ctx, **limits):
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    pull.bind("tcp://127.0.0.1:*")
-    guard = ConnectionGuard("trajectories", pull, **limits)
-    return pull, pull.getsockopt_string(zmq.LAST_ENDPOINT), guard
-
-
-def pusher(ctx, address: str) -> zmq.Socket:
-    s = ctx.socket(zmq.PUSH)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RECONNECT_IVL, -1)  # a cut connection stays cut: each cut is counted once
-    s.connect(address)
-    return s
-
-
-def checked(guard: ConnectionGuard, condition) -> bool:
-    guard.check()
-    return condition()
-
-
 def test_the_guard_counts_connections_and_cuts_those_beyond_the_limit(ctx):
     """Connections are followed through the monitor; one beyond max_connections is shut down at once and counted,
     the others stay. Guards against a connection flood holding the learner's descriptors."""

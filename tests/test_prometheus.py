@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import cli, free_port, free_port_pair, read_metrics, stop, tail, wait_for
 from prometheus_client import parser
 
 from impala_async import config
@@ -78,12 +78,6 @@ def documented(table: str) -> set[str]:
 
 def exported(families: dict) -> set[str]:
     return {name for name in families if name.startswith("impala_async_")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int, str]:

@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import zmq
 from attacks import (
     CopyCounter,
     LearnerView,
@@ -106,13 +105,6 @@ class Learner:
         if self.actor is not None:
             stop(self.actor)
         stop(self.proc)
-
-
-@pytest.fixture(scope="module")
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 @pytest.fixture(scope="module")

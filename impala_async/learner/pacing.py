@@ -15,7 +15,10 @@ socket buffers and the policy lag grows with every queued message. Pacing instea
 ``consumed_per_s``: trajectories the trainer took per second (over the window's batches, or the last two where the
 window holds fewer); the senders: connections whose messages were accepted in the window (or within four of their own
 intervals, for one that sends less often), each with its rate over that span; a sender is *slow* while its rate is
-under half an equal share of ``consumed_per_s`` among the senders not slow (water-filling: the slowest first).
+under half of what it was allowed: an equal share of ``consumed_per_s`` among the senders not slow (water-filling: the
+slowest first), times the lowest ``factor`` (at most 1) advertised over that span. Without the factor, an actor the
+pace held to a quarter of its share while a backlog drained looked slow, got no pace at all, and filled the ring
+(Pong: a policy lag of 36 updates).
 ``waiting``: trajectories accepted and not yet taken; ``target``: how many the learner wants waiting, so it never waits
 for data (``pace_target_batches`` batches). Every actor that keeps the pace then produces ``level`` trajectories a
 second, whatever its number of environments, and all of them together produce what training consumes, a little more
@@ -37,10 +40,12 @@ so it also counts as a sender ``ranks`` times as long) while ``factor`` compares
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 import threading
 import time
+from collections.abc import Callable
 
 FACTOR_LO, FACTOR_HI, GAIN = 0.25, 3.0, 2.0
 STARVED_S = 0.001  # a trainer that waited longer than this for a batch was starved of data
@@ -99,6 +104,9 @@ class Pacer:
         # largest ever (one 256-trajectory message must not raise the target for the rest of the run).
         self._sizes: collections.deque[tuple[float, int]] = collections.deque()
         self._batch = 1  # trajectories of the last batch consumed
+        # The lowest factor advertised in each second, over the longest span a sender's rate is measured: [second,
+        # factor] (a pace may be asked for after every update: hundreds a second).
+        self._factors: collections.deque[list] = collections.deque()
         self.pace_s_per_trajectory = 0.0  # the latest value computed (metrics)
         self.senders = 0
         self.target_now = 0.0  # the target the latest pace was computed for (metrics)
@@ -162,6 +170,8 @@ class Pacer:
             self._consumed.popleft()
         while self._sizes and self._sizes[0][0] < horizon:  # the window's messages only: none outlives it
             self._sizes.popleft()
+        while self._factors and self._factors[0][0] < now - SENDER_HORIZON_S - 1:
+            self._factors.popleft()
         # An actor keeping a slow pace sends less often than the window: it still counts for a few of its intervals,
         # reckoned from its own messages (an actor of 128 environments sends 128 trajectories at a time).
         while self._senders:
@@ -176,20 +186,42 @@ class Pacer:
         paced = 4 * self.ranks * self.pace_s_per_trajectory * sender.last_n
         return min(SENDER_HORIZON_S, max(self.window_s, 4 * sender.interval, paced))
 
+    def _advertised(self, factor: float, now: float) -> None:
+        second = math.floor(now)
+        if self._factors and self._factors[-1][0] == second:
+            self._factors[-1][1] = min(self._factors[-1][1], factor)
+        else:
+            self._factors.append([second, factor])
+
+    def _held_to(self) -> Callable[[float], float]:
+        """``held_to(since)``: the lowest factor advertised since ``since`` (to the second), at most 1: the smallest
+        share a sender whose rate is measured from then may have been held to."""
+        seconds = [sec for sec, _ in self._factors]
+        lowest = [1.0] * (len(seconds) + 1)  # lowest[i]: over the seconds from the i-th on
+        for i in range(len(seconds) - 1, -1, -1):
+            lowest[i] = min(lowest[i + 1], self._factors[i][1])
+        return lambda since: lowest[bisect.bisect_left(seconds, math.floor(since))]
+
     def _level(self, consumed_per_s: float, factor: float, now: float) -> float:
-        """Trajectories a second each sender may send (the whole learner's rates), water-filled: a sender slower than
-        half an equal share of what training consumes keeps its own rate and leaves the rest to the others, which
-        share it equally, times ``factor``; inf where every sender is that slow (no pacing: the actors are the
-        bottleneck). Slowness is judged against the consumption, not the factor's swings, so an actor held to its
-        share never looks slow to the share the factor gives it next."""
-        rates = sorted(self.ranks * s.rate(now, self._horizon(s)) for s in self._senders.values())
+        """Trajectories a second each sender may send (the whole learner's rates), water-filled: a sender that sends
+        under half of what it was allowed keeps its own rate and leaves the rest to the others, which share it
+        equally, times ``factor``; inf where every sender is that slow (no pacing: the actors are the bottleneck).
+        What a sender was allowed is an equal share of the consumption times the lowest factor advertised over the
+        span its rate is measured: an actor the pace holds back is not slow, and the factor's swings are not
+        mistaken for one either."""
+        held_to, senders = self._held_to(), []  # (rate over the factor it was held to; rate), slowest first
+        for s in self._senders.values():
+            horizon = self._horizon(s)
+            rate = self.ranks * s.rate(now, horizon)
+            senders.append((rate / held_to(now - horizon), rate))
+        senders.sort()
         slow_total, k = 0.0, 0  # the slowest k senders
-        while k < len(rates) and rates[k] < (consumed_per_s - slow_total) / (len(rates) - k) / 2:
-            slow_total += rates[k]
+        while k < len(senders) and senders[k][0] < (consumed_per_s - slow_total) / (len(senders) - k) / 2:
+            slow_total += senders[k][1]
             k += 1
-        if k == len(rates):
+        if k == len(senders):
             return math.inf
-        return max(1e-9, (consumed_per_s * factor - slow_total) / (len(rates) - k))
+        return max(1e-9, (consumed_per_s * factor - slow_total) / (len(senders) - k))
 
     def _largest(self) -> int:
         """Most trajectories in one message accepted within the window (1 before any)."""
@@ -218,6 +250,7 @@ class Pacer:
             self.target_now = target
             factor = min(FACTOR_HI, max(FACTOR_LO, 1.0 + GAIN * (target - waiting_trajectories) / target))
             level = self._level(rate, factor, now)
+            self._advertised(factor, now)
         pace = min(self.max_pace, 1.0 / level)
         self.pace_s_per_trajectory = pace
         return pace
