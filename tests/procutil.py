@@ -58,6 +58,10 @@ def documented_metrics() -> set[str]:
     return keys
 
 
+TINY = ["--config", str(Path(__file__).resolve().parent / "tiny.toml")]  # tests/tiny.toml: CartPole, 1 actor, B 4
+ENDLESS = [*TINY, "--total-env-steps", "100000000", "--lr-schedule", "constant"]  # runs until stopped
+
+
 def cli(*args: str, log: Path | None = None, **kw) -> subprocess.Popen:
     out = open(log, "w") if log else subprocess.DEVNULL
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -14,14 +14,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from procutil import cli, free_port, stop, tail, wait_for
+from procutil import ENDLESS, cli, free_port, stop, tail, wait_for
 
 from impala_async.learner import checkpoint
 
 FS_BYTES = 16 << 20
-SMALL = ["--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "--unroll-length", "10"]
-SMALL += ["--batch-size", "4", "--total-env-steps", "100000000", "--lr-schedule", "constant"]
-SMALL += ["--report-interval-s", "0.2", "--checkpoint-interval-s", "1", "--checkpoint-retry-interval-s", "1"]
+SMALL = [*ENDLESS, "--report-interval-s", "0.2", "--checkpoint-interval-s", "1", "--checkpoint-retry-interval-s", "1"]
 
 
 @pytest.fixture

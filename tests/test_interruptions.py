@@ -7,13 +7,12 @@ import json
 import signal
 
 import pytest
-from procutil import cli, stop, tail, wait_for
+from procutil import ENDLESS, cli, stop, tail, wait_for
 
 from impala_async.learner import checkpoint
 from impala_async.learner.metrics import MetricsWriter, read_metrics
 
-SMALL = ["--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "--unroll-length", "10"]
-SMALL += ["--batch-size", "4", "--total-env-steps", "100000000", "--lr-schedule", "constant"]
+SMALL = ENDLESS
 
 
 def test_a_line_torn_by_a_kill_is_cut_before_the_next_record(tmp_path):

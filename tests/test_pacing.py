@@ -333,12 +333,12 @@ def test_a_slow_learner_paces_an_actor_of_large_messages():
 
 @pytest.mark.parametrize("unroll_s", [0.5, 0.7, 1.0])
 def test_an_actor_held_back_by_the_pace_is_not_taken_for_a_slow_one(unroll_s):
-    """Pong on these two cores as run with the Atari preset: one actor of 32 environments acting an unroll in under a
-    second or so, a learner taking a batch of 16 a second from a ring of 38 batches. While more than the target wait, the pace holds
-    the actor to a quarter of its share; measured over its own horizon it then sends under half its share, which is
-    what marks a slow sender (one that does not use its share). Taken for one, it got no pace at all, and the backlog
-    filled the ring: 608 trajectories waiting, a policy lag of 36 updates in a real run. Held, it stays near the
-    target."""
+    """Pong on these two cores as run with the Atari preset: one actor of 32 environments acting an unroll in a
+    second or less, a learner taking a batch of 16 a second from a ring of 38 batches. While more than the target
+    wait, the pace holds the actor to a quarter of its share; measured over its own horizon it then sends under half
+    its share, which is what marks a slow sender (one that does not use its share). Taken for one, it got no pace at
+    all, and the backlog filled the ring: 608 trajectories waiting, a policy lag of 36 updates in a real run. Held,
+    it stays near the target."""
     paced = simulate(True, [unroll_s], 32, 1.0, batch=16, capacity=608, seconds=600.0, dt=0.005)
     assert paced["late_mean_waiting"] < 4 * 32, paced  # the target: 2 batches, and never below a message (32)
     assert paced["dropped_fraction"] == 0.0 and paced["starved_fraction"] < 0.05, paced

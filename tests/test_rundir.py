@@ -10,13 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from procutil import cli, read_metrics, stop, tail, wait_for
+from procutil import ENDLESS, cli, read_metrics, stop, tail, wait_for
 
 from impala_async.learner.rundir import LOCK_FILE, LogdirInUse, RunDirLock
 
-SMALL = ["--env", "CartPole-v1", "--num-actors", "1", "--envs-per-actor", "4", "--unroll-length", "10"]
-SMALL += ["--batch-size", "4", "--report-interval-s", "0.2", "--total-env-steps", "100000000"]
-SMALL += ["--lr-schedule", "constant"]
+SMALL = [*ENDLESS, "--report-interval-s", "0.2"]
 
 
 def test_a_second_holder_is_refused_with_the_first_ones_pid(tmp_path):
