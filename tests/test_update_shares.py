@@ -1,0 +1,26 @@
+"""tools/update_shares.py, its smallest mode (a subprocess: it wraps the learner's functions in its own process): every
+stage of a real update is timed, and the stages add up to the update."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "update_shares.py"
+
+
+def test_the_stages_of_a_real_update_add_up_to_it():
+    args = [sys.executable, str(TOOL), "--updates", "3", "--warmup", "1", "--json", "--", "--env", "CartPole-v1"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    r = json.loads(done.stdout)
+    assert r["env"] == "CartPole-v1" and r["updates"] == 3 and r["batch_size"] * r["unroll_length"] > 0
+    stages = ("inputs", "forward", "targets", "loss", "backward + optimizer", "rest")
+    assert set(r["ms"]) == set(stages)
+    assert all(r["ms"][s] > 0 for s in stages if s != "rest"), "a stage was not timed: its wrapper missed the call"
+    assert sum(r["ms"].values()) == pytest.approx(r["ms_per_update"], rel=0.01)
+    assert sum(r["share"].values()) == pytest.approx(1.0, abs=0.01)
