@@ -290,11 +290,23 @@ checkpoint.save(sys.argv[1], {"x": torch.ones(64 << 20, dtype=torch.uint8) * 7},
 """
 
 
+def _writing(directory) -> bool:
+    """A temporary checkpoint file with bytes in it: a write under way (an empty one is the pre-opened file of a write
+    not begun, which a start removes without counting)."""
+    for p in directory.iterdir():
+        try:
+            if p.name.endswith(".tmp") and p.stat().st_size > 0:
+                return True
+        except FileNotFoundError:  # renamed into place meanwhile
+            pass
+    return False
+
+
 def test_kill_during_checkpoint_write_keeps_the_previous(tmp_path):
     checkpoint.save(tmp_path, {"x": torch.arange(5)}, 1)
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
     try:
-        wait_for(lambda: any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), 60, "the write to start", writer)
+        wait_for(lambda: _writing(tmp_path), 60, "the write to start", writer)
         writer.kill()
         writer.wait()
     finally:
