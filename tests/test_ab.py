@@ -158,6 +158,7 @@ def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path):
         first.send_signal(signal.SIGTERM)
         said = first.communicate(timeout=120)[0]
     assert not (logdir / "ab-run.json").exists(), said
+    assert first.returncode == 130 and "Traceback" not in said and "the same command continues it" in said, said
     first_rows = read_metrics(logdir / "metrics.jsonl")
     cut_at = max(r["env_steps"] for r in first_rows)
     assert 0 < cut_at < 100_000, "stopped mid-run"

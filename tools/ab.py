@@ -354,7 +354,11 @@ def main(argv=None) -> int:
             print(" ".join(command(exp, arm, seed, logdir)))
         return 0
     if not args.report:
-        run_all(exp, out, args.parallel)
+        try:
+            run_all(exp, out, args.parallel)
+        except KeyboardInterrupt:
+            print("ab: stopped; the same command continues it (a run cut short resumes from its checkpoint)")
+            return 130
     summary = summarise(exp, out)
     text = table(exp, summary)
     print(text)
