@@ -10,6 +10,7 @@ import pytest
 import torch
 from procutil import (
     METRICS_FIELDS,
+    TINY,
     actor_pids,
     cli,
     descendants,
@@ -25,16 +26,7 @@ from procutil import (
 from impala_async.learner import checkpoint
 
 SMALL = [
-    "--env",
-    "CartPole-v1",
-    "--num-actors",
-    "1",
-    "--envs-per-actor",
-    "4",
-    "--unroll-length",
-    "10",
-    "--batch-size",
-    "4",
+    *TINY,
     "--report-interval-s",
     "0.5",
 ]

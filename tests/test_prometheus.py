@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from procutil import cli, free_port, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import TINY, cli, free_port, free_port_pair, read_metrics, stop, tail, wait_for
 from prometheus_client import parser
 
 from impala_async import config
@@ -24,16 +24,7 @@ from impala_async.core import wire
 from impala_async.ops import httpd
 
 FLAGS = [
-    "--env",
-    "CartPole-v1",
-    "--num-actors",
-    "1",
-    "--envs-per-actor",
-    "4",
-    "--unroll-length",
-    "10",
-    "--batch-size",
-    "4",
+    *TINY,
     "--report-interval-s",
     "0.5",
     "--total-env-steps",

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from procutil import cli, read_metrics, stop, tail
+from procutil import TINY, cli, read_metrics, stop, tail
 
 from impala_async.learner import metrics, tboard
 
@@ -20,16 +20,7 @@ def test_a_run_writes_every_figure_and_the_rho_histogram(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
     proc = cli(
         "train",
-        "--env",
-        "CartPole-v1",
-        "--num-actors",
-        "1",
-        "--envs-per-actor",
-        "4",
-        "--unroll-length",
-        "10",
-        "--batch-size",
-        "4",
+        *TINY,
         "--report-interval-s",
         "0.25",
         "--total-env-steps",
