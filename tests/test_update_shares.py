@@ -1,5 +1,5 @@
 """tools/update_shares.py, its smallest mode (a subprocess: it wraps the learner's functions in its own process): every
-stage of a real update is timed, and the stages add up to the update."""
+stage of a real update is timed, none twice."""
 
 from __future__ import annotations
 
@@ -22,5 +22,6 @@ def test_the_stages_of_a_real_update_add_up_to_it():
     stages = ("inputs", "forward", "targets", "loss", "backward + optimizer", "rest")
     assert set(r["ms"]) == set(stages)
     assert all(r["ms"][s] > 0 for s in stages if s != "rest"), "a stage was not timed: its wrapper missed the call"
-    assert sum(r["ms"].values()) == pytest.approx(r["ms_per_update"], rel=0.01)
+    # the stages do not overlap (the targets are inside the loss: counted once) and add up to the update
+    assert r["ms"]["rest"] >= 0, "a stage counted twice"
     assert sum(r["share"].values()) == pytest.approx(1.0, abs=0.01)
