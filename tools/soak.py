@@ -159,7 +159,7 @@ def attacker(
     def subscriptions():
         attacks.subscription_flood(host, wport, 20_000)
 
-    steps = [  # the full disk second: a 10-minute soak reaches about 15 steps, and row 2 must run in every one
+    steps = [  # the full disk early: it must run in every soak, however long the slower attacks take
         ("tree", lambda: pusher.send(attacks.tree_message("actor", 4 << 20), zmq.NOBLOCK)),
         *([("full_disk", lambda: fill_disk(disk, 10.0, stop, seen))] if disk is not None else []),
         ("multipart", lambda: attacks.unfinished_multipart(host, port, 200 << 20)),
