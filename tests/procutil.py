@@ -157,3 +157,15 @@ def free_port_pair() -> int:
         except OSError:
             continue
     raise RuntimeError("no free port pair")
+
+
+def finish(proc: subprocess.Popen, log: Path | None, timeout_s: float, code: int = 0) -> None:
+    """Wait up to ``timeout_s`` for ``proc`` to exit with ``code``; stop it (and what it started) whatever happens,
+    and fail with the log's tail otherwise."""
+    try:
+        got = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        got = f"no exit within {timeout_s:g} s"
+    finally:
+        stop(proc)
+    assert got == code, f"exit {got}, expected {code}\n{tail(log, 80)}"

@@ -4,12 +4,10 @@ Skipped, not failed, where the `atari` extra (ale-py, opencv-python-headless) is
 command installs it, so CI runs these.
 """
 
-import subprocess
-
 import numpy as np
 import pytest
 import torch
-from procutil import cli, read_metrics, stop, tail
+from procutil import cli, finish, read_metrics
 
 from impala_async.learner import checkpoint
 
@@ -75,11 +73,7 @@ def test_train_pong_end_to_end(tmp_path):
         str(logdir),
         log=log,
     )
-    try:
-        assert proc.wait(180) == 0, tail(log)
-    except subprocess.TimeoutExpired:
-        stop(proc)
-        raise AssertionError(f"train did not finish within 180 s\n{tail(log, 80)}") from None
+    finish(proc, log, 180)
     rows = read_metrics(logdir)
     last = rows[-1]
     assert last["env_steps_trained"] >= 400 and last["learner_steps"] >= 10

@@ -15,6 +15,7 @@ from procutil import (
     cli,
     descendants,
     documented_metrics,
+    finish,
     free_port_pair,
     gone,
     read_metrics,
@@ -70,11 +71,7 @@ def test_help_is_complete(command, flags):
 def test_train_end_to_end(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
     proc = cli("train", *SMALL, "--total-env-steps", "4000", "--logdir", str(logdir), log=log)
-    try:
-        assert proc.wait(120) == 0, tail(log)
-    except subprocess.TimeoutExpired:
-        stop(proc)
-        raise AssertionError(f"train did not finish within 120 s\n{tail(log, 80)}") from None
+    finish(proc, log, 120)
     rows = read_metrics(logdir)
     assert rows, tail(log)
     last = rows[-1]
@@ -181,10 +178,7 @@ def test_env_kwargs_reach_learner_and_actors(tmp_path):
         str(logdir),
         log=log,
     )
-    try:
-        assert proc.wait(120) == 0, tail(log)
-    finally:
-        stop(proc)
+    finish(proc, log, 120)
     rows = [r for r in read_metrics(logdir) if r["episode_return_mean"] is not None]
     assert rows and rows[-1]["episodes"] >= 3000 // 5 // 2, tail(log)
     assert {r["episode_return_mean"] for r in rows} == {5.0}

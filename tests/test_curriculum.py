@@ -3,12 +3,10 @@ real run whose environments follow the schedule across a resume."""
 
 from __future__ import annotations
 
-import subprocess
-
 import numpy as np
 import pytest
 from helpers import CURRICULUM_ENV_STEPS, CURRICULUM_FLAGS
-from procutil import cli, read_metrics, stop, tail
+from procutil import cli, finish, read_metrics, tail
 
 from impala_async.actors.envs import make_env, set_difficulty
 from impala_async.config import LearnerConfig
@@ -72,6 +70,7 @@ def test_the_hook_applies_at_the_next_reset():
 N_STEPS = CURRICULUM_ENV_STEPS  # the ramp, in env steps trained: one one-step episode each
 LAG = 2_000  # env steps (see the test's docstring)
 WINDOW = 100  # episode_return_mean: the last 100 episodes
+BATCH_STEPS = 4 * 5  # one update's env steps (CURRICULUM_FLAGS: batch 4 x unroll 5)
 
 
 def schedule(trained: float) -> float:
@@ -84,7 +83,9 @@ def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
     learner's own count; each step here is an episode). Bounds for a record at T:
 
     - never ahead: at most schedule(T). The value an environment plays with was computed from the learner's count
-      when it encoded those weights, and the count only grows.
+      when it encoded those weights, and the count only grows. The record's ``difficulty`` (the value last sent) may
+      be one update ahead of its T: a report reads the parts' counters one after the other while training goes on,
+      the trained count before the weights' value (seen on a loaded machine: exactly one batch, 20 steps).
     - at most LAG behind: at least schedule(T - 100 - LAG). Between the encoding and the training of the episodes
       played with it lie the episodes in flight: the unroll being played when the weights arrive (an actor reads
       weights between unrolls), messages queued at the actor and at the learner (ZeroMQ marks of 4 and 8 messages,
@@ -104,11 +105,7 @@ def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
     ):
         log = tmp_path / f"log{i}"
         proc = cli("train", *args, "--total-env-steps", str(budget), log=log)
-        try:
-            assert proc.wait(120) == 0, tail(log)
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            raise AssertionError(f"train did not finish within 120 s\n{tail(log, 80)}") from None
+        finish(proc, log, 120)
         if i == 0:
             first_run = len(read_metrics(logdir))
     rows = [r for r in read_metrics(logdir) if r["episode_return_mean"] is not None]
@@ -118,7 +115,7 @@ def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
     for r in rows:
         t, seen, sent = r["env_steps_trained"], r["episode_return_mean"], r["difficulty"]
         assert schedule(t - WINDOW - LAG) - 1e-9 <= seen <= schedule(t) + 1e-9, (t, seen, schedule(t))
-        assert sent is not None and schedule(t - LAG) - 1e-9 <= sent <= schedule(t) + 1e-9, (t, sent)
+        assert sent is not None and schedule(t - LAG) - 1e-9 <= sent <= schedule(t + BATCH_STEPS) + 1e-9, (t, sent)
         if t >= N_STEPS + WINDOW + LAG:
             assert seen == 2.0, (t, seen)
     assert rows[-1]["env_steps_trained"] >= N_STEPS + WINDOW + LAG

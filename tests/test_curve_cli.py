@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import zmq
 from helpers import random_arrays
-from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import cli, finish, free_port_pair, read_metrics, stop, tail, wait_for
 
 from impala_async.core import wire
 from impala_async.core.spec import TrajectorySpec
@@ -214,10 +214,7 @@ def test_train_with_curve_gives_its_local_actors_a_key(tmp_path, key_dirs):
         str(logdir),
         log=log,
     )
-    try:
-        assert proc.wait(120) == 0, tail(log)
-    finally:
-        stop(proc)
+    finish(proc, log, 120)
     last = last_metrics(logdir)
     assert last["learner_steps"] > 0 and last["env_steps_trained"] >= 1500, last
     assert last["messages_rejected"] == 0

@@ -18,12 +18,11 @@ EnvPool default (FIRE at reset, no sticky actions) or away from ours (bilinear r
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-from procutil import cli, read_metrics, stop, tail
+from procutil import cli, finish, read_metrics, tail
 
 from impala_async.actors.vec import ATARI_FRAME_CAP, envpool_settings, make_vec, resolve_backend
 
@@ -312,11 +311,7 @@ def test_train_pong_with_envpool_end_to_end(tmp_path):
         str(logdir),
         log=log,
     )
-    try:
-        assert proc.wait(180) == 0, tail(log)
-    except subprocess.TimeoutExpired:
-        stop(proc)
-        raise AssertionError(f"train did not finish within 180 s\n{tail(log, 80)}") from None
+    finish(proc, log, 180)
     text = log.read_text()
     assert "x ALE/Pong-v5 (envpool, cpu)" in text, tail(log)
     last = read_metrics(logdir)[-1]

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 import zmq
-from procutil import cli, descendants, gone, read_metrics, stop, tail, wait_for
+from procutil import cli, descendants, finish, gone, read_metrics, stop, tail, wait_for
 
 from impala_async.actors.endpoints import Endpoints, resolve
 from impala_async.config import LearnerConfig
@@ -291,10 +291,7 @@ def test_two_ranks_on_two_gpus(tmp_path):
         str(logdir),
         log=log,
     )
-    try:
-        assert proc.wait(300) == 0, tail(log)
-    finally:
-        stop(proc)
+    finish(proc, log, 300)
     text = log.read_text()
     assert "learner rank 0 of 2: nccl on cuda:0" in text and "learner rank 1 of 2: nccl on cuda:1" in text
     assert assert_ranks_identical(logdir)["updates"] > 0

@@ -10,7 +10,7 @@ import psutil
 import pytest
 import torch
 import zmq
-from procutil import cli, descendants, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import cli, descendants, finish, free_port_pair, read_metrics, stop, tail, wait_for
 
 from impala_async.core import wire
 from impala_async.learner import checkpoint
@@ -111,10 +111,7 @@ def test_an_actor_slow_to_build_its_environments_is_not_taken_for_hung(tmp_path)
         str(logdir),
         log=log,
     )
-    try:
-        assert proc.wait(120) == 0, tail(log)
-    finally:
-        stop(proc)
+    finish(proc, log, 120)
     assert last(logdir)["env_steps"] >= 4000
     assert last(logdir).get("actor_restarts", 0) == 0, tail(log)
     assert "silent" not in log.read_text()

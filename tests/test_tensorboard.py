@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from procutil import TINY, cli, read_metrics, stop, tail
+from procutil import TINY, cli, finish, read_metrics, tail
 
 from impala_async.learner import metrics, tboard
 
@@ -31,10 +31,7 @@ def test_a_run_writes_every_figure_and_the_rho_histogram(tmp_path):
         str(logdir),
         log=log,
     )
-    try:
-        assert proc.wait(120) == 0, tail(log)
-    finally:
-        stop(proc)
+    finish(proc, log, 120)
     rows = read_metrics(logdir)
     assert rows, tail(log)
     events = EventAccumulator(str(logdir / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0})
