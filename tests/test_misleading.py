@@ -19,7 +19,7 @@ import msgpack
 import pytest
 from attacks import LearnerView, message, push
 from helpers import random_arrays
-from procutil import cli, finish, free_port_pair, read_metrics, stop, wait_for
+from procutil import TINY, cli, finish, free_port_pair, read_metrics, stop, wait_for
 
 from impala_async.core import wire
 from impala_async.learner.pacing import Pacer
@@ -334,14 +334,9 @@ def test_the_logdir_and_the_checkpoints_are_private(tmp_path):
     logdir.mkdir(mode=0o755)  # made by the user, open to others: the learner closes it
     proc = cli(
         "train",
-        "--num-actors",
-        "1",
+        *TINY,
         "--envs-per-actor",
         "2",
-        "--unroll-length",
-        "10",
-        "--batch-size",
-        "4",
         "--total-env-steps",
         "2000",
         "--logdir",

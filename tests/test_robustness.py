@@ -35,7 +35,7 @@ from attacks import (
     tree_message,
     unfinished_multipart,
 )
-from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import TINY, cli, free_port_pair, read_metrics, stop, tail, wait_for
 
 from impala_async.learner import checkpoint
 
@@ -392,16 +392,9 @@ def test_resume_skips_bad_checkpoints_and_publishes_on_the_new_address(tmp_path,
     logdir, log = tmp_path / "run", tmp_path / "train.log"
     proc = cli(
         "train",
-        "--env",
-        "CartPole-v1",
-        "--num-actors",
-        "1",
+        *TINY,
         "--envs-per-actor",
         "2",
-        "--unroll-length",
-        "10",
-        "--batch-size",
-        "4",
         "--total-env-steps",
         "2000",
         "--logdir",
