@@ -72,15 +72,53 @@ def test_senders_are_those_of_the_window():
     assert p.senders == 1, "an actor silent for longer than the window no longer shares the rate"
 
 
+def _starved_near_target(p: Pacer, batches: range, dt_s: float) -> None:
+    """Batches of 16 the trainer waited for, each after a backlog that had reached the target (late messages)."""
+    for i in batches:
+        p.pace(int(p.target), now=i * dt_s)
+        p.consumed(16, waited_s=0.05, now=i * dt_s)
+
+
 def test_the_target_grows_when_the_trainer_starves_and_shrinks_back():
     p = Pacer(target_trajectories=32, window_s=5.0, max_pace_s_per_trajectory=10.0, capacity_trajectories=128)
     p.accepted("a", 32, now=0.0)
-    for i in range(20):
-        p.consumed(16, waited_s=0.05, now=i * 0.1)
+    _starved_near_target(p, range(20), 0.1)
     assert p.target == 128 - 32 - 16, "starved at every batch: up to a message and a batch below capacity"
     for i in range(20, 20 + 100 * 80):
         p.consumed(16, waited_s=0.0, now=i * 0.1)
     assert p.target == 32, "fed at every batch: back down to the configured target"
+
+
+def test_a_spell_of_starvation_is_forgotten_within_a_few_hundred_batches():
+    # A ring of 64 batches; a spell of 200 starved batches takes the target to its ceiling. Fed again, the backlog
+    # it asks for must come down within hundreds of batches, not tens of thousands (a fixed hundredth of a batch a
+    # batch: 50 fed batches for each starved one), or the policy lag stays at the ring's size long after the cause
+    # has gone.
+    p = Pacer(target_trajectories=32, window_s=5.0, max_pace_s_per_trajectory=10.0, capacity_trajectories=1024)
+    p.accepted("a", 16, now=0.0)
+    _starved_near_target(p, range(200), 0.05)
+    assert p.target > 960, "starved at every batch: at its ceiling, near the ring's capacity"
+    for i in range(200, 200 + 300):
+        p.consumed(16, waited_s=0.0, now=i * 0.05)
+    assert p.target < 32 + 3 * 16, p.target
+    for i in range(500, 800):
+        p.consumed(16, waited_s=0.0, now=i * 0.05)
+    assert p.target == 32, p.target
+
+
+def test_a_trainer_short_of_supply_keeps_its_target():
+    # Starved while the backlog stays empty (a receive loop busy with an attack, actors slower than the learner): a
+    # larger target cannot mend that, and would only hold a larger backlog, and policy lag, once supply is back
+    # (CI: a target of 753 trajectories and a policy lag of 107 updates after an attack).
+    p = Pacer(target_trajectories=32, window_s=5.0, max_pace_s_per_trajectory=10.0, capacity_trajectories=1024)
+    p.accepted("a", 16, now=0.0)
+    for i in range(400):
+        p.pace(0, now=i * 0.05)
+        p.consumed(16, waited_s=0.05, now=i * 0.05)
+    assert p.target == 32
+    # Late messages after a backlog at the target: that one the target is for.
+    _starved_near_target(p, range(400, 404), 0.05)
+    assert p.target == 32 + 4 * 8
 
 
 def test_a_message_larger_than_the_target_is_the_target():

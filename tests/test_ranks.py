@@ -259,7 +259,7 @@ def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
             "learner", "--resume", str(logdir), "--listen", f"tcp://127.0.0.1:{port}", "--total-env-steps", str(more),
             log=llog2,
         )  # fmt: skip
-        assert learner.wait(120) == 0, tail(llog2)
+        finish(learner, llog2, 120)
         state = assert_ranks_identical(logdir)
         assert state["updates"] == saved["learner"]["updates"] + 30, (state["updates"], saved["learner"]["updates"])
         assert re.search(r"rank1 .*learner rank 1 of 2", llog2.read_text())

@@ -104,6 +104,8 @@ class Pacer:
         # largest ever (one 256-trajectory message must not raise the target for the rest of the run).
         self._sizes: collections.deque[tuple[float, int]] = collections.deque()
         self._batch = 1  # trajectories of the last batch consumed
+        self._reached_at = -math.inf  # when the backlog last came within a batch of the target
+        self._starved_at = -math.inf  # when the trainer last took a batch it had waited for
         # The lowest factor advertised in each second, over the longest span a sender's rate is measured: [second,
         # factor] (a pace may be asked for after every update: hundreds a second).
         self._factors: collections.deque[list] = collections.deque()
@@ -148,10 +150,16 @@ class Pacer:
     def consumed(self, trajectories: int, waited_s: float = 0.0, now: float | None = None) -> None:
         """The trainer took a batch of ``trajectories``, after waiting ``waited_s`` for it (the training thread).
 
-        The target adapts: a batch the trainer had to wait for (more than ``STARVED_S``) means the actors' next
-        messages come too late for the backlog kept, so it grows by half a batch; every batch taken without waiting
-        shrinks it by a hundredth of one, down to the configured target. So the backlog, and with it the policy lag,
-        is the least that keeps training fed, wherever the actors' latency lies."""
+        The target adapts: a batch the trainer had to wait for (more than ``STARVED_S``) after a backlog that had come
+        within a batch of the target since the last such batch means the actors' next messages come too late for the
+        backlog kept, so it grows by half a batch; a starved trainer whose backlog stayed far below the target is
+        short of supply, which a larger target cannot mend, so it stays. Every batch taken without waiting shrinks
+        it by a hundredth of its excess over the configured target (a hundredth of a batch at least), down to that
+        target. So the backlog, and with it the policy lag, is the least that keeps training fed wherever the
+        actors' latency lies, and a spell of starvation is forgotten within a few hundred batches. (Growing at every
+        starved batch and shrinking by a fixed hundredth of a batch, a learner starved by an attack on its receive
+        loop kept a target of 753 trajectories, 188 batches, after it: a policy lag of 107 updates; CI,
+        tests/test_outbound_attacks.py.)"""
         now = time.monotonic() if now is None else now
         with self._lock:
             self._consumed.append((now, trajectories))
@@ -159,7 +167,14 @@ class Pacer:
             self._forget(now)
             if self.base_target > 0:
                 ceiling = max(self.base_target, self.capacity - self._largest() - trajectories)
-                step = trajectories / 2 if waited_s > STARVED_S else -trajectories / 100
+                if waited_s <= STARVED_S:
+                    step = -max(trajectories, self.target - self.base_target) / 100
+                elif self._reached_at > self._starved_at:
+                    step = trajectories / 2
+                else:  # starved again, and the backlog never came near the target since: supply is short
+                    step = 0.0
+                if waited_s > STARVED_S:
+                    self._starved_at = now
                 self.target = min(ceiling, max(self.base_target, self.target + step))
 
     def _forget(self, now: float) -> None:
@@ -232,6 +247,8 @@ class Pacer:
         now = time.monotonic() if now is None else now
         with self._lock:
             self._forget(now)
+            if waiting_trajectories >= self.target - self._batch:
+                self._reached_at = now
             senders = len(self._senders)
             self.senders = senders
             if self.target <= 0 or senders == 0 or len(self._consumed) < 2:
