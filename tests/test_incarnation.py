@@ -115,7 +115,7 @@ def test_a_new_run_this_actor_cannot_act_in_ends_it_with_run_changed(acting, cap
         build_run(config(), msg)
     assert "NoSuchEnvironment-v0" in str(e.value) and "\n" not in str(e.value)
     with caplog.at_level(logging.INFO):
-        assert acting.take(msg) == exitcodes.RUN_CHANGED == actor.EXIT_RUN_CHANGED == 9
+        assert acting.take(msg) == exitcodes.RUN_CHANGED == exitcodes.RUN_CHANGED == 9
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "NoSuchEnvironment-v0" in errors[0] and "\n" not in errors[0], errors
     assert acting.run.closed  # its environments closed: the caller exits
@@ -129,7 +129,7 @@ def test_a_new_run_this_actor_cannot_act_in_ends_it_with_run_changed(acting, cap
     # An environment unlike the learner's spec (other versions of its package): refused before a message is sent.
     with pytest.raises(RunError, match=r"CartPole-v1 here gives observations \[4\] and 2 actions.*\[5\] and 2"):
         build_run(config(), weights(run_info(obs_shape=(5,))))
-    assert (actor.EXIT_NO_WEIGHTS, actor.EXIT_REFUSED) == (exitcodes.NO_WEIGHTS, exitcodes.REFUSED)
+    assert (exitcodes.NO_WEIGHTS, exitcodes.REFUSED) == (exitcodes.NO_WEIGHTS, exitcodes.REFUSED)
 
 
 # --------------------------------------------------------------------------------------------- real processes

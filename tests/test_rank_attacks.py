@@ -29,7 +29,8 @@ from procutil import stop, tail, wait_for
 from impala_async.config import LearnerConfig
 from impala_async.learner import counters
 from impala_async.learner.ranks import RankGroup
-from impala_async.learner.rankwatch import EXIT_RANK_FAILED, RankWatch
+from impala_async.learner.rankwatch import RankWatch
+from impala_async.ops import exitcodes
 
 TOKEN = "test-token-0123456789abcdef"
 
@@ -129,7 +130,7 @@ def test_rank_1s_watch_outlives_a_silent_rank_0():
     watch.start()
     try:
         wait_for(lambda: stops, 10, "rank 1 to take rank 0 for dead")
-        assert stops[0][1] == EXIT_RANK_FAILED and "learner rank 0 silent" in stops[0][0], stops
+        assert stops[0][1] == exitcodes.RANK_FAILED and "learner rank 0 silent" in stops[0][0], stops
         seen = _seq(raw, 1)
         wait_for(lambda: _seq(raw, 1) >= seen + 3, 10, "rank 1 to go on beating")
         assert watch._thread.is_alive() and not died, died
@@ -203,7 +204,7 @@ def test_under_torchrun_keys_carry_the_token_and_rank_1_survives_rank_0_going_si
         procs[0].send_signal(signal.SIGSTOP)  # rank 0 hangs: no heartbeat, and the agent's store still answers
         t0 = time.monotonic()
         code = procs[1].wait(30)
-        assert code == EXIT_RANK_FAILED, tail(logs[1])
+        assert code == exitcodes.RANK_FAILED, tail(logs[1])
         assert time.monotonic() - t0 < 15
         text = logs[1].read_text()
         assert "learner rank 0 silent" in text and "Traceback" not in text, tail(logs[1], 80)

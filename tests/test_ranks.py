@@ -29,7 +29,7 @@ from impala_async.config import LearnerConfig
 from impala_async.core import wire
 from impala_async.learner import checkpoint
 from impala_async.learner.ranks import rank_address
-from impala_async.learner.rankwatch import EXIT_RANK_FAILED
+from impala_async.ops import exitcodes
 
 
 # ------------------------------------------------------------------------------------------------- addresses
@@ -243,7 +243,7 @@ def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
         os.kill(rank1, signal.SIGKILL)
         code = learner.wait(20)
         assert time.monotonic() - t0 < 10, "not within the shutdown timeout (10 s)"
-        assert code == EXIT_RANK_FAILED, tail(llog)
+        assert code == exitcodes.RANK_FAILED, tail(llog)
         assert f"impala-async: stopped: learner rank 1 (pid {rank1}) was killed by SIGKILL" in llog.read_text()
         found = checkpoint.load_latest(logdir, validate=checkpoint.validate_learner_state)
         assert found is not None, "no loadable checkpoint"

@@ -16,7 +16,7 @@ def fill(ring, version, value=0.0, n=1):
     assert ring.room() >= n
     for a in ring.rows(n).values():
         a[...] = value
-    ring.commit(n, version, 0)
+    ring.commit(n, version)
 
 
 def test_batches_are_views_of_preallocated_storage(cartpole_spec):
@@ -29,14 +29,14 @@ def test_batches_are_views_of_preallocated_storage(cartpole_spec):
     )
     assert ring.room() == 2
     decoder.decode_into(msg, ring.rows(2))
-    ring.commit(2, 4, 100)
+    ring.commit(2, 4)
     batch = ring.get(0.1)
     assert batch is not None and batch.index == 0
     for name, t in batch.tensors.items():
         assert t.shape == (2, *cartpole_spec.field_map[name].shape)
         assert t.data_ptr() == ptrs[name]  # slot 0 of the storage: no copy, no allocation
         np.testing.assert_array_equal(t.numpy(), arrays[name])
-    assert batch.policy_versions.tolist() == [4, 4] and batch.arrival_ns.tolist() == [100, 100]
+    assert batch.policy_versions.tolist() == [4, 4]
     assert {name: t.data_ptr() for name, t in ring.tensors.items()} == ptrs
 
 

@@ -48,7 +48,7 @@ def produce(ring: TrajectoryRing, n: int, stop: threading.Event) -> None:
             a[...] = 0
         rows["obs"][...] = i
         rows["reward"][...] = i
-        ring.commit(1, 0, time.time_ns())
+        ring.commit(1, 0)
 
 
 def train(learner: Learner, ring: TrajectoryRing, batches: int, **trainer_kw) -> tuple[Trainer, list]:

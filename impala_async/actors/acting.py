@@ -20,7 +20,6 @@ MAX_WEIGHTS_BYTES = 256 << 20  # ZMQ_MAXMSGSIZE of the weights socket: the large
 MAX_UNPACED_WAIT_S = 1.0  # flow control on, no pace yet (a learner warming up): the longest wait for newer weights
 MAX_PACE_WAIT_S = 60.0  # flow control: the longest an actor waits between two unrolls for the pace
 WARN_INTERVAL_S = 10.0  # weights messages this actor ignores are logged at most this often
-EXIT_RUN_CHANGED = exitcodes.RUN_CHANGED
 
 
 class Throttled:
@@ -223,7 +222,7 @@ class Acting:
     def follow(self, msg: wire.WeightsMessage) -> int | None:
         """A new learner incarnation: the same run, new weights loaded; another run, rebuilt (the environments kept
         unless their id, kwargs, backend or observation dtype changed, and reset either way); a run this actor cannot
-        act in: one line, and EXIT_RUN_CHANGED."""
+        act in: one line, and exitcodes.RUN_CHANGED."""
         old, index = self.run, self.cfg.index
         changes = run_changes(old.info, msg.run_info)
         if not changes:
@@ -231,7 +230,7 @@ class Acting:
                 old.policy.load(msg)  # logs "the learner restarted (new incarnation)"
             except ValueError as e:
                 log.error("actor %d: the learner restarted (new incarnation) with weights unlike its run: %s", index, e)
-                return EXIT_RUN_CHANGED
+                return exitcodes.RUN_CHANGED
             old.info = msg.run_info
             self.adopt(msg)
             return None
@@ -246,7 +245,7 @@ class Acting:
             self.run = build_run(self.cfg, msg, self.beat, keep)
         except RunError as e:
             log.error("actor %d: cannot act in the learner's new run: %s", index, e)
-            return EXIT_RUN_CHANGED
+            return exitcodes.RUN_CHANGED
         self.adopt(msg)
         log.info(
             "actor %d: acting in the new run: %d x %s (%s), policy version %d",

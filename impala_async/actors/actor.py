@@ -4,7 +4,7 @@ Runs in its own process. Imports only the pure core (spec, wire, models) and nev
 about the run (environment id, trajectory spec, network) from the weights messages, and never acts before the first.
 Everything built from a run is one :class:`Run`; when the learner restarts (a new incarnation in its weights) the actor
 compares the new run with its own and acts on in it, rebuilding what changed, or exits with
-:data:`EXIT_RUN_CHANGED` (docs/protocol.md, "Learner restarts").
+:data:`exitcodes.RUN_CHANGED` (docs/protocol.md, "Learner restarts").
 """
 
 from __future__ import annotations
@@ -31,12 +31,8 @@ from .runs import RunError, build_run, check_actor_id
 log = logging.getLogger("impala_async.actors.actor")
 
 
-EXIT_NO_WEIGHTS, EXIT_REFUSED, EXIT_RUN_CHANGED = exitcodes.NO_WEIGHTS, exitcodes.REFUSED, exitcodes.RUN_CHANGED
 __all__ = [
     "ActorConfig",
-    "EXIT_NO_WEIGHTS",
-    "EXIT_REFUSED",
-    "EXIT_RUN_CHANGED",
     "HandshakeWatch",
     "run",
     "weights_address",
@@ -120,7 +116,7 @@ def _first_weights(
                 opts.max_wait_for_weights_s,
                 watch.diagnosis(),
             )
-            return EXIT_REFUSED if watch.refused else EXIT_NO_WEIGHTS
+            return exitcodes.REFUSED if watch.refused else exitcodes.NO_WEIGHTS
         first = _receive_weights(sub, MAX_WEIGHTS_BYTES, 100, warn=warn)
         if first is not None:
             return first

@@ -16,33 +16,32 @@ messages round-robin over the ranks it is connected to. No zmq import here: the 
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
+
+from ..core.address import TcpAddress, parse_tcp
 
 log = logging.getLogger("impala_async.actors.endpoints")
 
 MAX_ADDRESSES = 256  # at most this many listed addresses are connected (a learner has as many ranks as GPUs)
-_WILDCARDS = {"0.0.0.0", "::", "[::]", "*", ""}
+_WILDCARDS = {"0.0.0.0", "::", "*", ""}
 
 
-def _tcp(address: str) -> tuple[str, str] | None:
-    """(host, port) of a tcp:// address, brackets of an IPv6 host kept off; None for other transports."""
-    if not address.startswith("tcp://"):
+def _tcp(address: str) -> TcpAddress | None:
+    """A tcp:// address parsed (core/address.py); None for other transports and for a tcp address it cannot parse
+    (connecting to that fails, and is said, where it is tried)."""
+    try:
+        return parse_tcp(address)
+    except ValueError:
         return None
-    host, sep, port = address[len("tcp://") :].rpartition(":")
-    if not sep:
-        return None
-    return host.strip("[]") if host.startswith("[") else host, port
 
 
 def resolve(address: str, given: str) -> str:
     """``address`` as this actor connects to it: a wildcard host becomes the host of ``given`` (a tcp address)."""
-    parts, own = _tcp(address), _tcp(given)
-    if parts is None or own is None or parts[0] not in _WILDCARDS and f"[{parts[0]}]" not in _WILDCARDS:
+    parsed, own = _tcp(address), _tcp(given)
+    if parsed is None or own is None or parsed.host not in _WILDCARDS:
         return address
-    host = own[0]
-    return f"tcp://{'[' + host + ']' if ':' in host else host}:{parts[1]}"
+    return str(parsed.with_host(own.host))
 
 
 class Endpoints:
@@ -61,16 +60,16 @@ class Endpoints:
             except (OSError, UnicodeError):
                 found = {host}
             # Every loopback address is this machine: 127.0.0.1 and ::1 (and localhost) are one host here.
-            self._hosts[host] = frozenset("loopback" if _loopback(a) else a for a in found)
+            self._hosts[host] = frozenset("loopback" if TcpAddress(a, "*").loopback else a for a in found)
         return self._hosts[host]
 
     def same(self, a: str, b: str) -> bool:
         if a == b:
             return True
         ta, tb = _tcp(a), _tcp(b)
-        if ta is None or tb is None or ta[1] != tb[1]:
+        if ta is None or tb is None or ta.port != tb.port:
             return False
-        return bool(self._addresses(ta[0]) & self._addresses(tb[0]))
+        return bool(self._addresses(ta.host) & self._addresses(tb.host))
 
     def update(self, run_info: dict) -> None:
         """Connect to the addresses ``run_info`` lists that are not connected yet; disconnect those it dropped."""
@@ -98,10 +97,3 @@ class Endpoints:
                 log.warning("cannot connect to the learner's trajectory address %r: %s", address, e)
                 wanted.discard(address)
         self.extra = wanted
-
-
-def _loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
-    except ValueError:
-        return False

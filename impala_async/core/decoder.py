@@ -359,10 +359,10 @@ def _check_values(name: str, check: int, aux, out: np.ndarray) -> None:
     if check == CHECK_FINITE:
         flat = out.reshape(-1)
         for i in range(0, flat.size, FINITE_CHUNK):
-            if not _ISFINITE(flat[i : i + FINITE_CHUNK]).all():
+            if not np.isfinite(flat[i : i + FINITE_CHUNK]).all():
                 raise Rejected("nonfinite", f"field {name!r} holds NaN or infinity")
     elif check == CHECK_ACTION:
-        if _MAX_U32(out.reshape(-1).view(np.uint32)) >= aux:  # a negative int32 is a huge uint32
+        if np.maximum.reduce(out.reshape(-1).view(np.uint32)) >= aux:  # a negative int32 is a huge uint32
             raise Rejected("bad_action", f"action outside [0, {aux})")
     elif check == CHECK_FLAG:
         if out.tobytes().translate(None, b"\x00\x01"):
@@ -374,15 +374,15 @@ def _check_cuts(dest: dict[str, np.ndarray]) -> int:
     truncated: never both at a step). Most messages cut no episode: that case is one byte search and two counts."""
     truncated, values, terminated = dest["truncated"], dest["truncation_value"], dest["terminated"]
     if b"\x01" not in truncated.tobytes():
-        if _COUNT_NONZERO(values):
+        if np.count_nonzero(values):
             raise Rejected("inconsistent", "truncation_value is non-zero at a step that was not truncated")
-        return int(_COUNT_NONZERO(terminated))
+        return int(np.count_nonzero(terminated))
     cut = truncated.view(bool)
     if (terminated.view(bool) & cut).any():
         raise Rejected("inconsistent", "terminated and truncated both 1 at a step (a terminal state is not cut)")
-    if _COUNT_NONZERO(values) != _COUNT_NONZERO(values.reshape(cut.shape)[cut]):
+    if np.count_nonzero(values) != np.count_nonzero(values.reshape(cut.shape)[cut]):
         raise Rejected("inconsistent", "truncation_value is non-zero at a step that was not truncated")
-    return int(_COUNT_NONZERO(terminated) + _COUNT_NONZERO(cut))
+    return int(np.count_nonzero(terminated) + np.count_nonzero(cut))
 
 
 def _jpeg(name: str, fn, *args):
@@ -391,8 +391,3 @@ def _jpeg(name: str, fn, *args):
         return fn(*args)
     except codecs.JpegRejected as e:
         raise Rejected(e.reason, f"field {name!r}: {e.detail}") from None
-
-
-_MAX_U32 = np.maximum.reduce
-_COUNT_NONZERO = np.count_nonzero
-_ISFINITE = np.isfinite

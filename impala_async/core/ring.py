@@ -32,7 +32,6 @@ class Batch(NamedTuple):
     index: int  # batch slot in the ring
     tensors: dict  # field name -> tensor [B, *field.shape], a view of ring storage
     policy_versions: np.ndarray  # [B] int64, behaviour policy version of each trajectory
-    arrival_ns: np.ndarray  # [B] int64, time.time_ns() (wall clock, as actors' sent_at_ns) when each landed in its slot
 
 
 class TrajectoryRing:
@@ -65,7 +64,6 @@ class TrajectoryRing:
         # numpy views [B, *shape] of each batch slot, made once: the hot path only slices them.
         self._views = [{name: a[k] for name, a in arrays.items()} for k in range(num_batches)]
         self._versions = np.zeros((num_batches, batch_size), np.int64)
-        self._arrival_ns = np.zeros((num_batches, batch_size), np.int64)
         self._cond = threading.Condition()
         self._free = deque(range(1, num_batches))
         self._ready: deque[int] = deque()
@@ -100,11 +98,10 @@ class TrajectoryRing:
         r = self._row
         return {name: a[r : r + n] for name, a in self._views[self._filling].items()}
 
-    def commit(self, n: int, policy_version: int, arrival_ns: int) -> None:
+    def commit(self, n: int, policy_version: int) -> None:
         """The ``n`` rows returned by :meth:`rows` now hold valid trajectories."""
         k, r = self._filling, self._row
         self._versions[k, r : r + n] = policy_version
-        self._arrival_ns[k, r : r + n] = arrival_ns
         self._row = r + n
         if self._row < self.batch_size:
             return
@@ -136,7 +133,6 @@ class TrajectoryRing:
                         k,
                         {name: t[k] for name, t in self.tensors.items()},
                         self._versions[k].copy(),
-                        self._arrival_ns[k].copy(),
                     )
                 if self._closed or not self._cond.wait(timeout_s):
                     return None

@@ -68,7 +68,7 @@ class Ingest:
         self.steps_per_trajectory = spec.unroll_length
         n = limits.max_trajectories_per_message
         self._scratch = {f.name: np.empty((n, *f.shape), f.dtype) for f in spec.fields}
-        self.pending: tuple[wire.TrajectoryMessage, int, int] | None = None  # (message in scratch, next row, ns)
+        self.pending: tuple[wire.TrajectoryMessage, int] | None = None  # (message in scratch, next row)
         self._last_seq: collections.OrderedDict[str, int] = collections.OrderedDict()
         # Counters.
         self.env_steps = int(resumed["env_steps"]) if resumed else 0  # steps in accepted trajectories
@@ -146,7 +146,7 @@ class Ingest:
         if self._policy_version() - msg.policy_version > self.max_policy_lag:
             self._drop_stale(msg)
             return
-        self._decode(msg, user_id, source, time.time_ns())
+        self._decode(msg, user_id, source)
 
     def _parse(self, buf, user_id: str | None) -> wire.TrajectoryMessage | None:
         """The message, header checked; None if it was rejected or dropped (counted)."""
@@ -202,7 +202,7 @@ class Ingest:
         if last is not None and msg.seq <= last:
             raise wire.Rejected("replay", f"actor {msg.actor_id!r} seq {msg.seq} <= {last}")
 
-    def _decode(self, msg: wire.TrajectoryMessage, user_id: str | None, source: int | None, arrival_ns: int) -> None:
+    def _decode(self, msg: wire.TrajectoryMessage, user_id: str | None, source: int | None) -> None:
         t0 = time.perf_counter()
         n, ring = msg.n, self.ring
         direct = ring.room() >= n
@@ -217,10 +217,10 @@ class Ingest:
         else:
             self._message_accepted(msg, user_id, source, ends)
             if direct:
-                ring.commit(n, msg.policy_version, arrival_ns)
+                ring.commit(n, msg.policy_version)
                 self._accepted(msg, n)
             else:
-                self.pending = (msg, 0, arrival_ns)
+                self.pending = (msg, 0)
         self.stage_s["decode"] += time.perf_counter() - t0
         self.continue_pending()
 
@@ -248,7 +248,7 @@ class Ingest:
         if self.pending is None:
             return True
         t0 = time.perf_counter()
-        msg, i, arrival_ns = self.pending
+        msg, i = self.pending
         ring = self.ring
         while i < msg.n:
             m = min(ring.room(), msg.n - i)
@@ -256,10 +256,10 @@ class Ingest:
                 break
             for name, rows in ring.rows(m).items():
                 np.copyto(rows, self._scratch[name][i : i + m])
-            ring.commit(m, msg.policy_version, arrival_ns)
+            ring.commit(m, msg.policy_version)
             i += m
             self._accepted(msg, m, whole=i >= msg.n)
-        self.pending = None if i >= msg.n else (msg, i, arrival_ns)
+        self.pending = None if i >= msg.n else (msg, i)
         self.stage_s["decode"] += time.perf_counter() - t0
         return self.pending is None
 

@@ -23,7 +23,7 @@ Stopping. A normal stop ends every rank after the same update: rank 0 marks the 
 flag through the same all-reduce, learn.py), and every rank stops after it. A rank that dies or fails stops the others:
 its peers' all-reduce fails (gloo notices a closed connection at once; a hung peer after rank_collective_timeout_s),
 rank 0 sees its child exit or its heartbeat stop, and rank 0 writes a checkpoint of the last whole update and exits
-with EXIT_RANK_FAILED (6, rankwatch.py).
+with exitcodes.RANK_FAILED (6, rankwatch.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every rank's watch thread, every ``rank_heartbeat_interval_s``:
 - writes ``beat/<r>``: a sequence number and this rank's figures (rank 0 sums them into its snapshots: counters.py);
 - writes ``stop`` once this rank stops (the first stop of any rank wins: rank, reason, exit code) and reads it: a stop
-  of another rank stops this one too (exit code 0 if that rank's was 0, else EXIT_RANK_FAILED);
+  of another rank stops this one too (exit code 0 if that rank's was 0, else exitcodes.RANK_FAILED);
 - reads the other ranks' beats: one silent for ``rank_heartbeat_timeout_s`` is taken for dead (a child of rank 0 is
   then killed: hung, it would hold its peers in the all-reduce);
 - on rank 0 with ranks it started, polls them: one that exits is noticed at once.
@@ -31,7 +31,6 @@ from .counters import SUMMED, heartbeat_figures
 
 log = logging.getLogger("impala_async.learner.rankwatch")
 
-EXIT_RANK_FAILED = exitcodes.RANK_FAILED  # a learner rank died, failed, or hung (README, "Several learner ranks")
 # Bounds on what a peer's values may hold (a rank's own never come near them): a beat is about 500 bytes.
 MAX_STORE_VALUE_BYTES = 64 << 10  # larger values are not parsed
 MAX_FIGURE = (1 << 53) - 1  # largest count (and heartbeat sequence number) taken: beyond it a float loses units
@@ -153,7 +152,7 @@ class RankWatch:
                 stop, beats = self._exchange(seq, others)
             except Exception as e:  # the store is gone, and with it the rank that hosted it
                 if not self._halt.is_set():
-                    self._stop(f"lost the learner ranks' store ({str(e)[:200]}): rank 0 is gone", EXIT_RANK_FAILED)
+                    self._stop(f"lost the learner ranks' store ({str(e)[:200]}): rank 0 is gone", exitcodes.RANK_FAILED)
                 return
             try:
                 self._judge(stop, beats, others, started)
@@ -170,7 +169,7 @@ class RankWatch:
         if stop is not None and stop["rank"] != self.group.rank:
             self._stop(
                 f"learner rank {stop['rank']} stopped: {stop['reason']}",
-                0 if stop["code"] == 0 else EXIT_RANK_FAILED,
+                0 if stop["code"] == 0 else exitcodes.RANK_FAILED,
             )
         beats = {}
         for r, value in beat_values.items():
@@ -218,7 +217,7 @@ class RankWatch:
             if child.poll() is not None:
                 code = child.returncode
                 how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                self._stop(f"learner rank {r} (pid {child.pid}) {how}", EXIT_RANK_FAILED)
+                self._stop(f"learner rank {r} (pid {child.pid}) {how}", exitcodes.RANK_FAILED)
 
     def _check_peers(self, beats: dict, others: list[int], started: float) -> None:
         """Keep the others' figures; one silent for rank_heartbeat_timeout_s is taken for dead (a child killed)."""
@@ -233,7 +232,7 @@ class RankWatch:
                 self._stop(
                     f"learner rank {r} silent for {now - last:.1f} s (rank_heartbeat_timeout_s={timeout_s:g}): "
                     "dead or hung",
-                    EXIT_RANK_FAILED,
+                    exitcodes.RANK_FAILED,
                 )
                 if 1 <= r <= len(children) and children[r - 1].poll() is None:  # rank 0's children: 1..N-1
                     children[r - 1].kill()  # hung: it has nothing to save, and its peers wait for it
@@ -253,5 +252,5 @@ class RankWatch:
             f"the learner ranks' gradient all-reduce failed (a rank left, or waited more than "
             f"rank_collective_timeout_s={self.cfg.ranks.rank_collective_timeout_s:g} s for another's batch): "
             f"{str(error)[:200]}",
-            EXIT_RANK_FAILED,
+            exitcodes.RANK_FAILED,
         )

@@ -49,7 +49,6 @@ from .publisher import WeightsPublisher
 from .tboard import tensorboard_writer
 
 log = logging.getLogger("impala_async.learner.server")
-EXIT_ERROR, EXIT_NO_CHECKPOINT, EXIT_FORCED = exitcodes.ERROR, exitcodes.NO_CHECKPOINT, exitcodes.FORCED
 
 
 class StartupError(Exception):
@@ -112,7 +111,7 @@ class LearnerServer:
         try:
             self._startup()
         except StartupError as e:  # one line (the server's caller prints the reason), not a traceback
-            self.exit_reason, self.exit_code = str(e), EXIT_ERROR
+            self.exit_reason, self.exit_code = str(e), exitcodes.ERROR
         else:
             await self._main()
         finally:
@@ -276,7 +275,7 @@ class LearnerServer:
         for t in done:
             if t is not stop and t.exception() is not None:
                 log.error("learner task failed", exc_info=t.exception())
-                self.request_stop(f"internal error: {t.exception()!r}", EXIT_ERROR)
+                self.request_stop(f"internal error: {t.exception()!r}", exitcodes.ERROR)
         for t in tasks_:
             t.cancel()
         _, stuck = await asyncio.wait(tasks_, timeout=2.0)  # bounded: shutdown must go on regardless
@@ -299,7 +298,7 @@ class LearnerServer:
             self.actors.kill()
         if self.ranks is not None:
             self.ranks.kill_children()
-        os._exit(EXIT_FORCED)
+        os._exit(exitcodes.FORCED)
 
     async def _shutdown(self) -> None:
         """The startup's mirror: every part created is closed, last created first, within shutdown_timeout_s (then
@@ -353,7 +352,7 @@ class LearnerServer:
             if path is not None:
                 log.info("final checkpoint: %s", path)
             elif self.exit_code == 0:
-                self.exit_reason, self.exit_code = "the final checkpoint could not be written", EXIT_NO_CHECKPOINT
+                self.exit_reason, self.exit_code = "the final checkpoint could not be written", exitcodes.NO_CHECKPOINT
         if p.reports is not None:
             p.reports.report()
 
@@ -384,7 +383,7 @@ class LearnerServer:
     def _on_trainer_exit(self, error: BaseException | None) -> None:
         if error is not None:
             reason, code = (
-                (f"training failed: {error!r}", EXIT_ERROR) if self.ranks is None else self.ranks.explain(error)
+                (f"training failed: {error!r}", exitcodes.ERROR) if self.ranks is None else self.ranks.explain(error)
             )
             self.request_stop_threadsafe(reason, code)
 

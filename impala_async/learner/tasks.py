@@ -62,9 +62,6 @@ async def guard_connections(guards: list[ConnectionGuard], interval_s: float) ->
         await asyncio.sleep(interval_s)
 
 
-EXIT_ACTORS_FAILED, EXIT_NO_DATA = exitcodes.ACTORS_FAILED, exitcodes.NO_DATA  # ops/exitcodes.py
-
-
 async def supervise(
     actors: ActorProcesses | None,
     ingest: Ingest,
@@ -84,19 +81,19 @@ async def supervise(
             if actors.all_given_up():
                 stop(
                     f"every local actor failed {actors.max_restarts + 1} times; see the actor errors above",
-                    EXIT_ACTORS_FAILED,
+                    exitcodes.ACTORS_FAILED,
                 )
         now, last = time.monotonic(), ingest.last_data_at
         if last is None and now - started_at > start_timeout_s:
             stop(
                 f"no trajectory arrived within actor_start_timeout_s={start_timeout_s:g} s of start: are actors "
                 f"running and pointed at {listen}?",
-                EXIT_NO_DATA,
+                exitcodes.NO_DATA,
             )
         elif last is not None and now - last > no_data_timeout_s:
             stop(
                 f"no trajectory arrived for no_data_timeout_s={no_data_timeout_s:g} s: every actor is gone or stuck",
-                EXIT_NO_DATA,
+                exitcodes.NO_DATA,
             )
 
 
