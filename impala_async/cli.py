@@ -22,6 +22,7 @@ from .config import (  # noqa: E402
     INDEX,
     ActorOptions,
     ActorTarget,
+    EvalOptions,
     MetricsHttp,
     env_metrics_host,
     env_metrics_port,
@@ -159,30 +160,10 @@ def _add_metrics_flags(p: argparse.ArgumentParser) -> None:
 def cmd_eval(args) -> int:
     from . import evaluate
 
-    opts = evaluate.EvalOptions(
-        checkpoint=args.checkpoint,
-        episodes=args.episodes,
-        greedy=args.greedy,
-        seed=args.seed,
-        max_episode_steps=args.max_episode_steps,
-        max_steps_without_reward=args.max_steps_without_reward,
-        video=args.video,
-        video_episodes=args.video_episodes,
-        video_max_frames=args.video_max_frames,
-        fps=args.fps,
-        max_checkpoint_bytes=args.max_checkpoint_bytes,
-        allow_env_module=args.allow_env_module,
-    )
     try:
-        return evaluate.main(opts, as_json=args.json)
+        return evaluate.main(_section(EvalOptions, args), as_json=args.json)
     except evaluate.EvalError as e:
         raise SystemExit(f"impala-async eval: {e}") from None
-
-
-EVAL_ALLOW_ENV_MODULE_HELP = (
-    "1: play a checkpoint whose env id is module:Name, importing module (which runs its code); the package's own test "
-    "environments need no such permission (default: 0, refused: a checkpoint cannot run code)"
-)
 
 
 def _add_eval(sub) -> None:
@@ -194,55 +175,8 @@ def _add_eval(sub) -> None:
             "and print the mean and standard deviation of the return and the episode length; --video DIR films them."
         ),
     )
-    ev.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="PATH",
-        help="a checkpoint file, or a run directory (its newest good checkpoint)",
-    )
-    ev.add_argument("--episodes", type=int, default=10, help="episodes to play (default: 10)")
-    ev.add_argument("--greedy", action="store_true", help="take the most likely action instead of sampling")
-    ev.add_argument("--seed", type=int, default=0, help="seeds the first reset and the sampling (default: 0)")
-    ev.add_argument(
-        "--max-episode-steps",
-        type=int,
-        default=27_000,
-        help="cut an episode after this many steps, reported as cut (default: 27000: Atari's 108,000 frames, 4 a step)",
-    )
-    ev.add_argument(
-        "--max-steps-without-reward",
-        type=int,
-        default=5_000,
-        help="cut an episode after this many steps in a row with no reward, reported as cut (default: 5000; 0: never)",
-    )
+    config_fields.add_arguments(ev, EvalOptions, learner=False, required=("checkpoint",))
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
-    ev.add_argument(
-        "--video",
-        default="",
-        metavar="DIR",
-        help=("write a video per episode into DIR: MP4, or GIF without ffmpeg (pip install 'impala-async[video]')"),
-    )
-    ev.add_argument(
-        "--video-episodes",
-        type=int,
-        default=0,
-        metavar="K",
-        help="film only the first K episodes (default: 0, every one)",
-    )
-    ev.add_argument(
-        "--video-max-frames",
-        type=int,
-        default=10_000,
-        help="frames per video at most; a GIF holds them in memory (default: 10000)",
-    )
-    ev.add_argument("--fps", type=int, default=30, help="video frame rate (default: 30)")
-    ev.add_argument(
-        "--max-checkpoint-bytes",
-        type=int,
-        default=4 << 30,
-        help="refuse a checkpoint larger than this (default: 4 GiB)",
-    )
-    ev.add_argument("--allow-env-module", type=int, choices=(0, 1), default=0, help=EVAL_ALLOW_ENV_MODULE_HELP)
     ev.set_defaults(func=cmd_eval)
 
 

@@ -3,8 +3,8 @@
 The environment is built as actors build it (:func:`impala_async.actors.envs.make_env` with the run's ``env`` and
 ``env_kwargs``) and the network as the learner builds it (:func:`impala_async.learner.learn.model_config` of the
 run's :class:`LearnerConfig`, then :func:`impala_async.core.models.build_model`), so any model kind the learner can
-train loads here unchanged. The network is called once per step in :meth:`Policy.act` only (a recurrent core would
-keep its state there, reset by :meth:`Policy.reset`).
+train loads here unchanged. The network is called once per step in :meth:`EvalPolicy.act` only (a recurrent core would
+keep its state there, reset by :meth:`EvalPolicy.reset`).
 
 Evaluation ends the way Atari evaluations are bounded: an episode is cut after ``max_episode_steps`` steps (27,000
 agent steps: the standard 108,000 emulator frames at 4 a step) or after ``max_steps_without_reward`` steps in a row
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .actors.envs import frame_stack_of, make_env
-from .config import LearnerConfig, from_flat
+from .config import EvalOptions, LearnerConfig, from_flat
 from .config.sections import OWN_ENV_MODULES, env_module
 from .core.models import build_model
 from .core.spec import TrajectorySpec
@@ -42,30 +42,6 @@ CAPS = {"max_steps": "--max-episode-steps", "no_reward": "--max-steps-without-re
 
 class EvalError(Exception):
     """A refusal, reported as one line."""
-
-
-@dataclass
-class EvalOptions:
-    checkpoint: str  # a checkpoint file, or a run directory (its newest good checkpoint)
-    episodes: int = 10
-    greedy: bool = False
-    seed: int = 0
-    max_episode_steps: int = 27_000  # an episode still running after this many steps is cut (and reported)
-    max_steps_without_reward: int = 5_000  # an episode this many steps past its last nonzero reward is cut; 0: never
-    video: str = ""  # directory for videos; empty: none
-    video_episodes: int = 0  # videos of the first K episodes; 0: every episode
-    video_max_frames: int = 10_000  # per video (a GIF holds its frames in memory until written)
-    fps: int = 30
-    max_checkpoint_bytes: int = 4 << 30
-    allow_env_module: int = 0  # 1: a checkpoint's env id module:Name may import its module (run its code)
-
-    def check(self) -> None:
-        for name in ("episodes", "max_episode_steps", "video_max_frames", "fps", "max_checkpoint_bytes"):
-            if getattr(self, name) < 1:
-                raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("video_episodes", "max_steps_without_reward"):
-            if getattr(self, name) < 0:
-                raise EvalError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -124,7 +100,7 @@ def build_network(cfg: LearnerConfig, spec: TrajectorySpec, weights: dict) -> to
     return model.eval()
 
 
-class Policy:
+class EvalPolicy:
     """The checkpoint's policy on one environment: :meth:`reset` at each episode's start, :meth:`act` each step."""
 
     def __init__(self, model: torch.nn.Module, spec: TrajectorySpec, greedy: bool, rng: np.random.Generator):
@@ -169,7 +145,7 @@ def make_eval_env(env_id: str, env_kwargs: dict, render: bool):
         raise EvalError(f"cannot make {env_id} with {env_kwargs}: {type(e).__name__}: {str(e)[:300]}") from None
 
 
-def play_episode(env, policy: Policy, caps: EvalOptions, seed: int | None, on_frame=None) -> Episode:
+def play_episode(env, policy: EvalPolicy, caps: EvalOptions, seed: int | None, on_frame=None) -> Episode:
     """One episode, cut by ``caps.max_episode_steps`` and ``caps.max_steps_without_reward`` (0: not by rewards);
     ``on_frame(obs)`` after the reset and after every step."""
     obs, _ = env.reset(seed=seed)
@@ -250,7 +226,11 @@ class Report:
 
 def evaluate(opts: EvalOptions, progress=None) -> Report:
     """Play ``opts.episodes`` episodes; ``progress(i, episode)`` after each."""
-    opts.check()
+    try:
+        opts.check()
+    except ValueError as e:  # "field must ...": said as its flag
+        name, _, rest = str(e).partition(" ")
+        raise EvalError(f"--{name.replace('_', '-')} {rest}") from None
     state, path = load_state(opts.checkpoint, opts.max_checkpoint_bytes)
     cfg = run_config(state, opts.allow_env_module)
     spec = TrajectorySpec.from_dict(state["spec"])
@@ -266,13 +246,13 @@ def evaluate(opts: EvalOptions, progress=None) -> Report:
                 f"{list(spec.obs_shape)} and {spec.num_actions}"
             )
         stacked = frame_stack_of(env) > 0
-        policy = Policy(model, spec, opts.greedy, np.random.default_rng(opts.seed))
+        policy = EvalPolicy(model, spec, bool(opts.greedy), np.random.default_rng(opts.seed))
         report = Report(
             str(path),
             cfg.env.env,
             int(state["learner"]["env_steps_trained"]),
             int(state["policy_version"]),
-            opts.greedy,
+            bool(opts.greedy),
             opts.seed,
             video_format=writer.format if writer else "",
         )

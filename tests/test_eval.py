@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -65,7 +66,7 @@ def evals(runs, tmp_path_factory):
     importing torch): the same greedy evaluation twice, once filming its first episode and printing JSON, once
     printing lines; and the image bandit filmed."""
     out = tmp_path_factory.mktemp("eval-out")
-    greedy = ["--episodes", "3", "--greedy", "--seed", "3"]
+    greedy = ["--episodes", "3", "--greedy", "1", "--seed", "3"]
     commands = {
         "filmed": [
             "--checkpoint",
@@ -244,11 +245,11 @@ def test_an_episode_without_reward_is_cut_and_counted():
     caps = evaluate.EvalOptions("unused", max_episode_steps=27_000, max_steps_without_reward=300)
     episode = evaluate.play_episode(env, Still(), caps, seed=0)
     assert (episode.end, episode.length, episode.ret) == ("no_reward", 300, 0.0)
-    caps.max_steps_without_reward = 0
+    caps = dataclasses.replace(caps, max_steps_without_reward=0)
     episode = evaluate.play_episode(env, Still(), caps, seed=0)
     assert episode.end == "terminated" and episode.length > 300  # Freeway's own clock ends the game
     cartpole = make_env("CartPole-v1")
-    caps.max_steps_without_reward = 3
+    caps = dataclasses.replace(caps, max_steps_without_reward=3)
     assert evaluate.play_episode(cartpole, Still(), caps, seed=0).end == "terminated"  # rewarded every step
     report = evaluate.Report("c.pt", "MinAtar/Freeway-v1", 0, 0, True, 0)
     report.episodes = [evaluate.Episode(0.0, 300, "no_reward"), evaluate.Episode(1.0, 9, "max_steps")]

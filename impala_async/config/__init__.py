@@ -3,6 +3,7 @@ layers a learner's configuration is put together from, and its resolution. Impor
 ``core.address``; no zmq, asyncio or torch."""
 
 from .actors import PER_INVOCATION, ActorOptions, ActorTarget, MetricsHttp
+from .evaluation import EvalOptions
 from .layers import Layered
 from .learner import INDEX, LearnerConfig, LocalActors, from_flat
 from .machine import env_metrics_host, env_metrics_port, metrics_address_problem, usable_cpus
@@ -15,6 +16,7 @@ __all__ = [
     "ActorTarget",
     "DEFAULT_ENV_BACKEND",
     "ENV_BACKENDS",
+    "EvalOptions",
     "Layered",
     "LearnerConfig",
     "LocalActors",
