@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 
-from ..config import Layered, LearnerConfig, from_flat, layers
+from ..config import Layered, LearnerConfig, layers
 from ..config.resolve import Probe, addresses, fit_connections, resolve
 from ..ops.console import say
 from . import ranks
@@ -139,8 +139,7 @@ def run(
 
     group = ranks.join_worker(layered.cfg.ranks.rank_start_timeout_s)
     if group is not None:  # a learner rank > 0: rank 0's resolved configuration, with this rank's own address
-        shared = group.shared
-        cfg = from_flat(shared["config"], "rank 0's configuration")
+        shared, cfg = group.shared, group.cfg
         layered = Layered(cfg, shared["layers"]).over(
             layers.RESOLVED, {"listen": ranks.rank_address(cfg.network.listen, group.rank)}
         )
@@ -172,19 +171,17 @@ def run(
     if device.type == "cpu":
         torch.set_num_threads(cfg.run.learner_threads)  # resolved: config/resolve.py
         log.info("learner: the update runs on %d torch thread(s) (--learner-threads)", torch.get_num_threads())
-    layered = fit_connections(layered, cfg.local_actors if group is None or group.rank == 0 else 0)
+    layered = fit_connections(layered, cfg.local_actors if group.rank == 0 else 0)
     cfg = layered.cfg
-    if group is not None:
-        group.cfg = cfg
     lock = None
-    if group is None or group.rank == 0:
+    if group.rank == 0:
         lock = lock_logdir(cfg.run.logdir)  # before anything is written there
         log.info("%s", layered.describe())
         for warning in cfg.warnings():
             log.warning("%s", warning)
         write_config(layered, command, lock)
     try:
-        return _serve(layered, spec, env_backend, device, keys, resumed, group, start_monotonic)
+        return _serve(layered, spec, env_backend, device, keys, group, start_monotonic)
     finally:
         if lock is not None:
             lock.release()
@@ -215,20 +212,18 @@ def lock_logdir(logdir: str):
         raise SystemExit(f"impala-async: cannot use the logdir {logdir} (--logdir): {e.strerror or e}") from None
 
 
-def _serve(
-    layered: Layered, spec, env_backend: str, device, keys, resumed: dict | None, group, start_monotonic: float
-) -> int:
+def _serve(layered: Layered, spec, env_backend: str, device, keys, group, start_monotonic: float) -> int:
     import uvloop
 
     from . import resume
     from .server import LearnerServer
 
     cfg = layered.cfg
-    if group is not None:  # the process group; rank 0's checkpoint state, on every rank
-        device, resumed = group.start(device), group.resumed
-    learner, resumed = resume.restore(lambda: build_learner(cfg, spec, device), cfg, spec, resumed, group)
-    if group is not None:
-        group.distribute(learner)  # gradients averaged over the ranks
+    device = group.start(device)  # several ranks: the process group, and rank 0's checkpoint state on every rank
+    learner, resumed = resume.restore(
+        lambda: build_learner(cfg, spec, device), cfg, spec, group.resumed, group.rank, group.world
+    )
+    group.distribute(learner)  # several ranks: gradients averaged over them
     actors, keys = _local_actors(cfg, keys, group, lambda: server.endpoints)
     server = LearnerServer(
         cfg,
@@ -245,7 +240,7 @@ def _serve(
     code = uvloop.run(server.serve())
     if code and server.lead:
         say(f"impala-async: stopped: {server.exit_reason}")
-    return code if group is None else group.exit(code)
+    return group.exit(code)
 
 
 def build_learner(cfg: LearnerConfig, spec, device):
@@ -288,15 +283,14 @@ def _local_actors(cfg: LearnerConfig, keys, group, endpoints):
     from ..actors.procs import ActorProcesses, actor_argv
     from ..ops import auth
 
-    lead = group is None or group.rank == 0
-    if group is not None and group.rank and keys is not None and cfg.local_actors > 0:
+    if group.rank and keys is not None and cfg.local_actors > 0:
         keys = group.share_local_actor_key(keys)  # rank 0 made train's local actors a key: admit it too
-    if cfg.local_actors <= 0 or not lead:
+    if cfg.local_actors <= 0 or group.rank:
         return None, keys
     local_dir = ""
     if keys is not None:  # local actors get a key pair of their own, admitted for this run only
         local_dir, keys = auth.local_actor_keys(keys, Path(cfg.run.logdir) / ".local-actor-keys")
-        keys = keys if group is None else group.share_local_actor_key(keys)
+        keys = group.share_local_actor_key(keys)
     options = cfg.actors.options()
 
     def argv(i: int, fd: int) -> list[str]:

@@ -145,8 +145,8 @@ class Parts:
             self.publisher.counters,
             self._server_counters,
         ]
-        optional = (self.publication, self.checkpoints, self.actors, self.ranks)
-        return own + [x.counters for x in optional if x is not None]
+        optional = (self.publication, self.checkpoints, self.actors)
+        return own + [self.ranks.counters] + [x.counters for x in optional if x is not None]
 
     def _server_counters(self) -> dict:
         return {
@@ -161,8 +161,7 @@ class Parts:
         return counters.figures(self.sources())
 
     def snapshot(self) -> counters.Snapshot:
-        peers = self.ranks.peers if self.ranks is not None and self.ranks.rank == 0 else None
-        return counters.take(self.sources(), peers)
+        return counters.take(self.sources(), self.ranks.peers if self.ranks.rank == 0 else None)
 
     def reset_interval(self) -> None:
         """After a report: the interval histograms start again."""

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from ..actors.procs import die_with_parent
 from ..core.address import port_offset
+from ..ops import exitcodes
 from . import rankstore
 from .rankwatch import RankWatch
 
@@ -117,35 +118,34 @@ def join_worker(rank_start_timeout_s: float):
     shared = rankstore.checked_shared(value)
     if isinstance(shared, str):
         raise SystemExit(f"impala-async: learner rank {rank}: rank 0's configuration in the ranks' store: {shared}")
-    group = RankGroup(rank, world, local, raw, store)
-    group.shared = shared
-    group.incarnation = shared["incarnation"]
-    return group
+    from ..config import from_flat
+
+    cfg = from_flat(shared["config"], "rank 0's configuration")
+    return RankGroup(rank, world, local, raw, store, cfg=cfg, shared=shared, incarnation=shared["incarnation"])
 
 
 def join_lead(cfg, shared: dict, resumed: dict | None, argv: list[str]):
     """Rank 0: under torchrun join its rendezvous; with --learner-ranks N > 1 host one and start ranks 1..N-1 (the same
     command line). Shares ``shared`` (the resolved configuration, its layers, the spec) and the learner's incarnation.
-    None for a learner of one rank."""
+    A learner of one rank gets a :class:`SingleRank`."""
     from ..core import wire
 
     world = cfg.ranks.learner_ranks
+    incarnation = wire.new_incarnation()  # one for the whole learner: trajectories carry it to any rank
     if world == 1:
-        return None
+        return SingleRank(incarnation, resumed)
     got = launched()
     _log_format(0)
     token = rankstore.lead_token(hosting=got is None)
+    whole = dict(cfg=cfg, resumed=resumed, incarnation=incarnation)
     if got is not None:  # torchrun (torchrun_world made learner_ranks its WORLD_SIZE)
         raw, store = rankstore.connect(0, world, cfg.ranks.rank_start_timeout_s, token)
-        group = RankGroup(0, world, got[2], raw, store)
+        group = RankGroup(0, world, got[2], raw, store, **whole)
     else:
         listener, raw = rankstore.host_store(world, cfg.ranks.rank_start_timeout_s)
         children = _start_ranks(world, listener.getsockname()[1], argv, token)
-        group = RankGroup(0, world, 0, raw, rankstore.prefix(raw, token), children)
-        group.listener = listener
-    group.cfg, group.resumed = cfg, resumed
-    group.incarnation = wire.new_incarnation()  # one for the whole learner: trajectories carry it to any rank
-    group.store.set("config", json.dumps({**shared, "incarnation": group.incarnation}))
+        group = RankGroup(0, world, 0, raw, rankstore.prefix(raw, token), children, listener=listener, **whole)
+    group.store.set("config", json.dumps({**shared, "incarnation": incarnation}))
     return group
 
 
@@ -187,16 +187,86 @@ def _start_ranks(world: int, port: int, argv: list[str], token: str) -> list[sub
     return children
 
 
+class SingleRank:
+    """A learner of one rank, with the interface of :class:`RankGroup`: nothing to share, wait for or watch, so the
+    server and its callers never ask whether there are ranks. ``incarnation``: the learner's (docs/protocol.md,
+    "Learner restarts"); ``resumed``: the checkpoint state this learner starts from (None: a fresh run)."""
+
+    rank, world, local_rank = 0, 1, 0
+    stuck = False
+
+    def __init__(self, incarnation: int, resumed: dict | None = None):
+        self.incarnation, self.resumed = incarnation, resumed
+        self.cfg = None  # as RankGroup's (main.run sets the final configuration); read by nothing here
+
+    def start(self, device):
+        return device
+
+    def distribute(self, learner) -> None:
+        pass
+
+    def share_address(self, endpoint: str) -> list[str]:
+        return [endpoint]
+
+    def share_local_actor_key(self, keys):
+        return keys
+
+    def watch(self, *, figures, on_stop) -> None:
+        pass
+
+    def peers(self) -> list[tuple[dict, bool]]:
+        return []
+
+    def counters(self) -> dict:
+        return {}
+
+    def announce(self, reason: str, code: int) -> None:
+        pass
+
+    def explain(self, error: BaseException) -> tuple[str, int]:
+        return f"training failed: {error!r}", exitcodes.ERROR
+
+    def stop_training(self, trainer, learner, normal: bool, shutdown_timeout_s: float) -> bool:
+        """Stop the training thread at once; True if the weights are whole (it ended, and not by an error)."""
+        return trainer.stop(shutdown_timeout_s) and trainer.error is None
+
+    def finish(self, trainer, learner, cfg) -> None:
+        pass
+
+    def kill_children(self) -> None:
+        pass
+
+    def exit(self, code: int) -> int:
+        return code
+
+
 class RankGroup:
-    def __init__(self, rank: int, world: int, local_rank: int, raw_store, store, children=()):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        local_rank: int,
+        raw_store,
+        store,
+        children=(),
+        *,
+        listener=None,
+        cfg=None,
+        shared: dict | None = None,
+        resumed: dict | None = None,
+        incarnation: int = 0,
+    ):
+        """Made whole by the call that joins the group (:func:`join_lead`, :func:`join_worker`): rank 0 with its
+        ``cfg``, ``resumed`` state and started ``children`` (and the store's ``listener`` where it hosts it), a worker
+        with rank 0's ``shared`` configuration; both with the learner's ``incarnation``."""
         self.rank, self.world, self.local_rank = rank, world, local_rank
         self.raw_store, self.store = raw_store, store
         self.children: list[subprocess.Popen] = list(children)
-        self.listener = None
-        self.cfg = None
-        self.shared: dict = {}
-        self.resumed: dict | None = None
-        self.incarnation = 0
+        self.listener = listener
+        self.cfg = cfg
+        self.shared: dict = shared or {}
+        self.resumed: dict | None = resumed
+        self.incarnation = incarnation
         self.watcher: RankWatch | None = None
         self.stuck = False  # at exit: the training thread did not end (stuck in a collective)
 
@@ -305,17 +375,20 @@ class RankGroup:
     def stop_training(self, trainer, learner, normal: bool, shutdown_timeout_s: float) -> bool:
         """Stop the training thread. A normal stop ends every rank after the same update: rank 0 asks for it
         (``learner.stop_requested``: learn.py all-reduces it with that update) and every rank stops after it; any
-        other stop (a failure, no data: ``normal`` False) stops at once. True if the thread ended."""
+        other stop (a failure, no data: ``normal`` False) stops at once. True if the weights are whole: a thread that
+        failed (or is stuck) in a collective failed before the optimizer step, so the weights are those of the last
+        update unless it failed while applying one."""
         timeout_s = shutdown_timeout_s / 2
         if normal and trainer.alive():
             if self.rank == 0:
                 learner.stop_requested = True
             if trainer.join(timeout_s):
-                return True
+                return not learner.applying
             log.warning(
                 "rank %d: no update in step with the other ranks within %.1f s; stopping now", self.rank, timeout_s
             )
-        return trainer.stop(timeout_s / 2)
+        trainer.stop(timeout_s / 2)
+        return not learner.applying
 
     def finish(self, trainer, learner, cfg) -> None:
         """After this rank's shutdown: the state dump (rank_state_dump), then rank 0 waits for the ranks it started

@@ -56,9 +56,10 @@ def load_newest(directory: str | Path, max_bytes: int) -> tuple[dict, Path] | No
     return found
 
 
-def restore(build: Callable, cfg: LearnerConfig, spec, resumed: dict | None, group=None):
+def restore(build: Callable, cfg: LearnerConfig, spec, resumed: dict | None, rank: int = 0, world: int = 1):
     """(the learner ``build()`` gives with the resumed state restored into it, the state restored: ``resumed`` or a
-    previous good checkpoint's). SystemExit (one line) where no checkpoint fits (module docstring)."""
+    previous good checkpoint's). SystemExit (one line) where no checkpoint fits (module docstring). ``rank`` of
+    ``world`` learner ranks: rank 0 sets a bad checkpoint aside; with several, none looks for another."""
     failed = None  # (path, spec) of the checkpoint just set aside for a spec this environment does not give
     while True:
         learner = build()  # a fresh network and optimizer each time: a failed restore may have half-loaded one
@@ -76,7 +77,7 @@ def restore(build: Callable, cfg: LearnerConfig, spec, resumed: dict | None, gro
             return learner, resumed
         except Exception as e:
             failed = (resumed.get(RESUMED_FROM, ""), resumed["spec"]) if isinstance(e, SpecMismatch) else None
-            resumed = _after_failure(cfg, resumed, e, group)
+            resumed = _after_failure(cfg, resumed, e, rank, world)
 
 
 class SpecMismatch(ValueError):
@@ -102,7 +103,7 @@ def changed(cfg: LearnerConfig, saved: dict) -> list[str]:
     return [name for name in SHAPING if now[name] != before[name]]
 
 
-def _after_failure(cfg: LearnerConfig, resumed: dict, error: Exception, group) -> dict:
+def _after_failure(cfg: LearnerConfig, resumed: dict, error: Exception, rank: int, world: int) -> dict:
     """The state to try next after ``resumed`` failed to restore with ``error``; SystemExit where there is none."""
     path = resumed.get(RESUMED_FROM, "")
     reason = f"{type(error).__name__}: {str(error)[:300]}"
@@ -113,10 +114,9 @@ def _after_failure(cfg: LearnerConfig, resumed: dict, error: Exception, group) -
             f"{', '.join(differ)}: resume with the checkpoint's values"
         )
     log.warning("checkpoint %s failed to restore: %s", path, reason)
-    lead = group is None or group.rank == 0
-    if path and lead:
+    if path and rank == 0:
         checkpoint.set_aside(Path(path))
-    if group is not None:
+    if world > 1:
         raise SystemExit(
             f"impala-async: checkpoint {path} failed to restore ({reason}); set aside: start the run again to resume "
             f"from the previous checkpoint (learner ranks took this one already)"

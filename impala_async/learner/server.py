@@ -36,7 +36,6 @@ from pathlib import Path
 import zmq
 
 from ..config import LearnerConfig
-from ..core import wire
 from ..core.spec import TrajectorySpec
 from ..ops import exitcodes
 from ..ops.console import say
@@ -72,20 +71,21 @@ class LearnerServer:
         run_info: dict,
         *,
         start_monotonic: float,
+        ranks,
         actors=None,
         resumed: dict | None = None,
         keys=None,
-        ranks=None,
         config_layers: dict | None = None,
     ):
-        """``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP authentication. ``ranks``: this
-        learner is one rank of several (ranks.py); only rank 0 (the lead) publishes, reports and checkpoints."""
+        """``ranks``: this learner's rank, a ``SingleRank`` or one of a ``RankGroup`` (ranks.py); only rank 0 (the lead)
+        publishes, reports and checkpoints. ``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP
+        authentication."""
         self.cfg, self.learner, self.spec, self.run_info = cfg, learner, spec, run_info
         self.actors, self.keys, self.ranks, self.resumed = actors, keys, ranks, resumed
-        self.lead = ranks is None or ranks.rank == 0
+        self.lead = ranks.rank == 0
         # A learner run's incarnation travels with the weights, and trajectories acted with them carry it back, so
         # that messages acted under an earlier run's weights (after a restart) are told apart from forged ones.
-        self.incarnation = wire.new_incarnation() if ranks is None else ranks.incarnation  # rank 0's, on every rank
+        self.incarnation = ranks.incarnation  # rank 0's, on every rank
         self.started_at = start_monotonic
         self.parts = Parts(
             cfg,
@@ -132,8 +132,7 @@ class LearnerServer:
         if not self._stop.is_set():
             self.exit_reason, self.exit_code = reason, code
             self._stop.set()
-            if self.ranks is not None:
-                self.ranks.announce(reason, code)
+            self.ranks.announce(reason, code)
 
     def request_stop_threadsafe(self, reason: str, code: int = 0) -> None:
         try:
@@ -150,9 +149,8 @@ class LearnerServer:
         if self.lead:
             self._start_http()
             self._start_reports()
-        if self.ranks is not None:
-            self.ranks.watch(figures=self.parts.own_figures, on_stop=self.request_stop_threadsafe)
-            self._closes("learner ranks", self._finish_ranks)
+        self.ranks.watch(figures=self.parts.own_figures, on_stop=self.request_stop_threadsafe)
+        self._closes("learner ranks", self._finish_ranks)
         if self.lead:
             log.info(
                 "learner: trajectories in on %s, weights out on %s, logdir %s, device %s%s",
@@ -195,7 +193,7 @@ class LearnerServer:
         p.publish = _bind(
             p.publisher, cfg.network.publish if self.lead else "inproc://unpublished-weights", "--publish"
         )
-        addresses = [p.listen] if self.ranks is None else self.ranks.share_address(p.listen)
+        addresses = self.ranks.share_address(p.listen)
         if self.lead:  # every rank's trajectory address, in rank order (docs/protocol.md, Transport)
             self.run_info["trajectory_addresses"] = addresses
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -296,8 +294,7 @@ class LearnerServer:
         log.error("forced exit: %s", why)
         if self.actors is not None:
             self.actors.kill()
-        if self.ranks is not None:
-            self.ranks.kill_children()
+        self.ranks.kill_children()
         os._exit(exitcodes.FORCED)
 
     async def _shutdown(self) -> None:
@@ -329,24 +326,19 @@ class LearnerServer:
         """Stop the training thread (intake is stopped already: the main loop has ended), then, if the weights are
         whole, the final checkpoint; then the final report."""
         p, cfg = self.parts, self.cfg
-        if self.ranks is None:
-            stopped = await self._in_thread(p.trainer.stop, cfg.run.shutdown_timeout_s)
-            whole = stopped and p.trainer.error is None
-        else:  # every rank after the same update (ranks.py), which needs a batch on each: intake goes on till then
-            trained = asyncio.Event()
-            intake = asyncio.create_task(p.intake.run(until=trained))
-            await self._in_thread(
-                self.ranks.stop_training,
-                p.trainer,
-                self.learner,
-                self.exit_code == 0 and not cfg.run.ingest_only,
-                cfg.run.shutdown_timeout_s,
-            )
-            trained.set()
-            await asyncio.wait([intake], timeout=1.0)
-            # A failed (or stuck) training thread failed in a collective, before the optimizer step: the weights are
-            # still those of the last update, whole, unless it failed while applying one.
-            whole = not self.learner.applying
+        # With several ranks every one stops after the same update (ranks.py), which needs a batch on each: intake
+        # goes on till then.
+        trained = asyncio.Event()
+        intake = asyncio.create_task(p.intake.run(until=trained))
+        whole = await self._in_thread(
+            self.ranks.stop_training,
+            p.trainer,
+            self.learner,
+            self.exit_code == 0 and not cfg.run.ingest_only,
+            cfg.run.shutdown_timeout_s,
+        )
+        trained.set()
+        await asyncio.wait([intake], timeout=1.0)
         if whole and p.checkpoints is not None:
             path = await self._in_thread(p.checkpoints.final, cfg.run.shutdown_timeout_s)
             if path is not None:
@@ -382,10 +374,7 @@ class LearnerServer:
 
     def _on_trainer_exit(self, error: BaseException | None) -> None:
         if error is not None:
-            reason, code = (
-                (f"training failed: {error!r}", exitcodes.ERROR) if self.ranks is None else self.ranks.explain(error)
-            )
-            self.request_stop_threadsafe(reason, code)
+            self.request_stop_threadsafe(*self.ranks.explain(error))
 
     def _health(self) -> tuple[bool, str]:
         """/healthz (the metrics HTTP thread)."""
