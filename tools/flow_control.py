@@ -38,6 +38,12 @@ from pathlib import Path
 
 from impala_async.learner.metrics import read_metrics
 
+STARTUP_TIMEOUT_S = 120.0  # the longest a run may take to its first report of data
+
+
+def _has_data(path: Path) -> bool:
+    return path.exists() and any(r["env_steps"] > 0 for r in read_metrics(path))
+
 
 def run(env: str, flags: list[str], seconds: float, warmup_s: float) -> dict:
     logdir = Path(tempfile.mkdtemp(prefix="flow-"))
@@ -56,9 +62,15 @@ def run(env: str, flags: list[str], seconds: float, warmup_s: float) -> dict:
     ]
     with open(logdir / "stderr.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        t0 = time.monotonic()
+        # ``seconds`` from the first report of data: a slow start (a busy machine, cold imports, actors starting)
+        # shortens no run.
+        started, first_report = time.monotonic(), None
         try:
-            while proc.poll() is None and time.monotonic() - t0 < seconds:
+            while proc.poll() is None and time.monotonic() - started < STARTUP_TIMEOUT_S + seconds:
+                if first_report is None and _has_data(logdir / "metrics.jsonl"):
+                    first_report = time.monotonic()
+                if first_report is not None and time.monotonic() - first_report >= seconds:
+                    break
                 time.sleep(0.5)
         finally:
             if proc.poll() is None:
@@ -104,7 +116,7 @@ def run(env: str, flags: list[str], seconds: float, warmup_s: float) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env", default="CartPole-v1")
-    p.add_argument("--seconds", type=float, default=60.0, help="length of each run")
+    p.add_argument("--seconds", type=float, default=60.0, help="length of each run, from its first report of data")
     p.add_argument("--warmup-s", type=float, default=10.0, help="left out at the start of each run's data")
     p.add_argument("--repeat", type=int, default=1, help="run every setting this many times, alternating")
     p.add_argument(
@@ -125,7 +137,10 @@ def main() -> int:
                 print(" ".join(f"{k}={v}" for k, v in r.items() if k != "logdir"), flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
-    return 0
+    failed = [r for r in results if "error" in r]
+    for r in failed:
+        print(f"flow_control: {r['flags']}: {r['error']}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
