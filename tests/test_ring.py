@@ -31,7 +31,7 @@ def test_batches_are_views_of_preallocated_storage(cartpole_spec):
     decoder.decode_into(msg, ring.rows(2))
     ring.commit(2, 4)
     batch = ring.get(0.1)
-    assert batch is not None and batch.index == 0
+    assert batch is not None and batch.slot == 0
     for name, t in batch.tensors.items():
         assert t.shape == (2, *cartpole_spec.field_map[name].shape)
         assert t.data_ptr() == ptrs[name]  # slot 0 of the storage: no copy, no allocation

@@ -238,7 +238,7 @@ def _parse(text: str, p: Path):
         try:
             import tomllib
         except ImportError:  # Python 3.10
-            import tomli as tomllib
+            import tomli as tomllib  # type: ignore[no-redef]
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:

@@ -95,7 +95,8 @@ class LearnerConfig:
 
 def section_classes() -> list[tuple[str, type]]:
     """(attribute, section class) of every section of LearnerConfig, in order."""
-    return [(f.name, type(f.default_factory())) for f in dataclasses.fields(LearnerConfig)]
+    defaults = LearnerConfig()
+    return [(f.name, type(getattr(defaults, f.name))) for f in dataclasses.fields(LearnerConfig)]
 
 
 def _index() -> dict[str, tuple[str, str]]:

@@ -311,7 +311,9 @@ class TrajectoryDecoder:
             if codec == CODEC_LZ4:
                 _lz4_into(name, data, out)
             elif codec == CODEC_JPEG:  # parse() checked every piece's dimensions against the spec
-                _jpeg(name, codecs.decode_jpeg_into, data, out, *self._images[name][1:])
+                geometry = self._images[name]
+                assert geometry is not None, "parse() accepts JPEG for image fields only"
+                _jpeg(name, codecs.decode_jpeg_into, data, out, *geometry[1:])
             else:
                 out.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
             if check:
@@ -326,7 +328,7 @@ def _read_entry(r: mpack.Reader, name: str) -> dict:
     """A field's entry map: its four keys (dtype, shape, codec, data) in any order, each once."""
     if r.map_header() != 4:
         raise Rejected("bad_field", f"field {name!r} must be a map with keys dtype, shape, codec, data")
-    entry = {}
+    entry: dict[bytes, object] = {}
     for _ in range(4):
         k = r.raw_str(_MAX_KEY_BYTES)
         if k not in _FIELD_KEYS or k in entry:
@@ -347,14 +349,14 @@ def _lz4_into(name: str, data: bytes, out: np.ndarray) -> None:
     """An LZ4 block into ``out``. parse() checked its 4-byte size header against the spec, and ``out`` has exactly
     that size: cramjam reads the header, writes at most len(out) bytes and returns how many it wrote."""
     try:
-        written = cramjam.lz4.decompress_block_into(data, out)
+        written = cramjam.lz4.decompress_block_into(data, out)  # type: ignore[arg-type]  # an ndarray is a buffer
     except Exception as e:  # cramjam.DecompressionError on corrupt or oversized blocks
         raise Rejected("bad_lz4", f"field {name!r}: {e}") from None
     if written != out.nbytes:
         raise Rejected("bad_lz4", f"field {name!r}: decompressed to {written} bytes, spec says {out.nbytes}")
 
 
-def _check_values(name: str, check: int, aux, out: np.ndarray) -> None:
+def _check_values(name: str, check: str, aux, out: np.ndarray) -> None:
     """The values of a decoded field (spec.py's check), in chunks that bound the temporaries."""
     if check == CHECK_FINITE:
         flat = out.reshape(-1)

@@ -52,13 +52,14 @@ def _int_seq(value, what: str) -> tuple:
 
 def _conv_layers(value) -> tuple[tuple[int, int, int, int], ...]:
     """``(out_channels, kernel, stride, padding)`` per layer, checked; at least one."""
-    layers = []
+    layers: list[tuple[int, int, int, int]] = []
     for layer in _int_seq(value, "conv_layers"):
         layer = _int_seq(layer, "a conv layer")
         if len(layer) != 4:
             raise ValueError(f"a conv layer is [out_channels, kernel, stride, padding], got {list(layer)}")
         names, lows = ("out_channels", "kernel", "stride", "padding"), (1, 1, 1, 0)
-        layers.append(tuple(_index(v, f"conv layer {n}", low) for v, n, low in zip(layer, names, lows, strict=True)))
+        c, k, s, p = (_index(v, f"conv layer {n}", low) for v, n, low in zip(layer, names, lows, strict=True))
+        layers.append((c, k, s, p))
     if not layers:
         raise ValueError("conv_layers must name at least one layer")
     return tuple(layers)

@@ -12,6 +12,7 @@ Format reference: https://github.com/msgpack/msgpack/blob/master/spec.md
 
 from __future__ import annotations
 
+import builtins  # Reader's methods int and str shadow the builtins in its annotations
 import struct
 
 _FLOAT32, _FLOAT64 = struct.Struct(">f"), struct.Struct(">d")
@@ -123,7 +124,7 @@ class Reader:
             return int.from_bytes(self._take(1 << (c - 0xD0)), "big", signed=True)
         raise WrongKind("an integer", c)
 
-    def number(self) -> int | float:
+    def number(self) -> builtins.int | float:
         """An integer or a float (float32 or float64)."""
         c = self._type()
         if c == 0xCB:
@@ -135,7 +136,7 @@ class Reader:
         except WrongKind:
             raise WrongKind("a number", c) from None
 
-    def raw_str(self, max_bytes: int) -> bytes:
+    def raw_str(self, max_bytes: builtins.int) -> bytes:
         """The UTF-8 bytes of a string of at most ``max_bytes`` bytes (longer ones: WrongKind, unread)."""
         i = self._i
         if i < self._n:  # the common case inline: a fixstr (up to 31 bytes) that fits
@@ -158,7 +159,7 @@ class Reader:
             raise WrongKind(f"a string of at most {max_bytes} bytes", c)
         return bytes(self._take(size, skip))
 
-    def str(self, max_bytes: int) -> str:
+    def str(self, max_bytes: builtins.int) -> builtins.str:
         """A string of at most ``max_bytes`` UTF-8 bytes; invalid UTF-8 is :class:`WrongKind`."""
         c = self._type()
         raw = self.raw_str(max_bytes)
@@ -190,7 +191,7 @@ class Reader:
             return True
         return False
 
-    def number_int_pairs(self, count: int) -> list:
+    def number_int_pairs(self, count: builtins.int) -> list:
         """``count`` two-element arrays ``[number, integer]``, as ``[[x, k], ...]`` (the caller read the outer array's
         header). Common encodings are read inline; any other goes through :meth:`number` and :meth:`int`."""
         b, n = self._b, self._n

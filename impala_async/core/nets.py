@@ -25,7 +25,8 @@ ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
 
 def init_(layer: nn.Linear | nn.Conv2d, gain: float):
     nn.init.orthogonal_(layer.weight, gain)
-    nn.init.zeros_(layer.bias)
+    if layer.bias is not None:
+        nn.init.zeros_(layer.bias)
     return layer
 
 
@@ -47,6 +48,10 @@ class ActorCritic(nn.Module):
         width = lstm_size or width
         self.policy_head = init_(nn.Linear(width, num_actions), 0.01)
         self.value_head = init_(nn.Linear(width, 1), 1.0)
+
+    def features(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``obs [N, *obs_shape]`` -> ``(policy features [N, F], value features [N, F])``: the subclass's torso."""
+        raise NotImplementedError
 
     @property
     def recurrent(self) -> bool:
@@ -85,6 +90,8 @@ class ActorCritic(nn.Module):
         if self.core is None:
             logits = self.policy_head(p).view(B, T1, -1).transpose(0, 1)
             return logits, self.value_head(v).view(B, T1).transpose(0, 1)
+        if starts is None:
+            raise TypeError("a recurrent network's unroll needs starts [B, T1]: where episodes begin")
         x = p.view(B, T1, -1).transpose(0, 1)  # [T1, B, F]
         keep = (~starts.bool()).transpose(0, 1).unsqueeze(-1).to(x.dtype)  # [T1, B, 1]: 0 where an episode begins
         h, c = state

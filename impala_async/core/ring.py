@@ -29,7 +29,7 @@ from .spec import TrajectorySpec
 
 
 class Batch(NamedTuple):
-    index: int  # batch slot in the ring
+    slot: int  # batch slot in the ring
     tensors: dict  # field name -> tensor [B, *field.shape], a view of ring storage
     policy_versions: np.ndarray  # [B] int64, behaviour policy version of each trajectory
 
@@ -95,12 +95,14 @@ class TrajectoryRing:
     def rows(self, n: int) -> dict[str, np.ndarray]:
         """numpy views ``[n, *field.shape]`` (contiguous) of the next ``n`` free rows; ``n <= room()``. Fill them and
         :meth:`commit`, or leave them (a rejected message): the next call returns the same rows."""
-        r = self._row
-        return {name: a[r : r + n] for name, a in self._views[self._filling].items()}
+        r, k = self._row, self._filling
+        assert k is not None, "rows() without room (has_room() said no)"
+        return {name: a[r : r + n] for name, a in self._views[k].items()}
 
     def commit(self, n: int, policy_version: int) -> None:
         """The ``n`` rows returned by :meth:`rows` now hold valid trajectories."""
         k, r = self._filling, self._row
+        assert k is not None, "commit() without room (has_room() said no)"
         self._versions[k, r : r + n] = policy_version
         self._row = r + n
         if self._row < self.batch_size:
@@ -140,7 +142,7 @@ class TrajectoryRing:
     def release(self, batch: Batch) -> None:
         """The trainer is done with ``batch`` (and any asynchronous copy from it has completed)."""
         with self._cond:
-            self._return_slot(batch.index)
+            self._return_slot(batch.slot)
         if self.on_release is not None:
             self.on_release()
 
