@@ -9,7 +9,7 @@ them in the reverse one (each part's close registered as it is created, so only 
 3. (rank 0) the metrics HTTP server (/metrics, /healthz: 503 until the receive loop runs, and again from the start
    of the shutdown);
 4. (rank 0) checkpoints and reports (metrics.jsonl, console, TensorBoard); the first weights published;
-5. the learner ranks' watch (ranks.py), with several ranks;
+5. the learner ranks' watch (ranks.py; a single rank has none);
 6. (rank 0 of train) the local actors;
 7. the training thread (:class:`~.trainer.Trainer`).
 
