@@ -60,6 +60,9 @@ def documented_metrics() -> set[str]:
 
 TINY = ["--config", str(Path(__file__).resolve().parent / "tiny.toml")]  # tests/tiny.toml: CartPole, 1 actor, B 4
 ENDLESS = [*TINY, "--total-env-steps", "100000000", "--lr-schedule", "constant"]  # runs until stopped
+# The `learner` command's endless CartPole (T 10, B 4, four reports a second), for actors a test attaches itself.
+CARTPOLE_LEARNER = ["--env", "CartPole-v1", "--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.25",
+                    "--total-env-steps", "100000000"]  # fmt: skip
 
 
 def cli(*args: str, log: Path | None = None, **kw) -> subprocess.Popen:

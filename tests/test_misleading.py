@@ -19,7 +19,7 @@ import msgpack
 import pytest
 from attacks import LearnerView, message, push
 from helpers import random_arrays
-from procutil import TINY, cli, finish, free_port_pair, read_metrics, stop, wait_for
+from procutil import CARTPOLE_LEARNER, TINY, cli, finish, free_port_pair, read_metrics, stop, wait_for
 
 from impala_async.core import wire
 from impala_async.learner.pacing import Pacer
@@ -44,16 +44,7 @@ class Learner:
         self.logdir, self.log = tmp / "run", tmp / "learner.log"
         self.proc = cli(
             "learner",
-            "--env",
-            "CartPole-v1",
-            "--unroll-length",
-            "10",
-            "--batch-size",
-            "4",
-            "--report-interval-s",
-            "0.25",
-            "--total-env-steps",
-            "100000000",
+            *CARTPOLE_LEARNER,
             "--listen",
             self.listen,
             "--logdir",

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 from netns import Network, Unavailable, remove_stale, unavailable
-from procutil import tail
+from procutil import CARTPOLE_LEARNER, tail
 
 from impala_async.learner import checkpoint
 
@@ -43,18 +43,7 @@ METRICS_PORT = 9481  # on the learner namespace's loopback
 OUTAGE_S = 20.0  # how long host-a's link stays down
 SETTLE_S = 2.0  # after the link goes down, what was already on its way may still be counted
 MIN_TRAJECTORIES = 20  # "contributes": at least this many accepted trajectories (200 env steps) in a phase
-LEARNER_FLAGS = [
-    "--env",
-    "CartPole-v1",
-    "--unroll-length",
-    "10",
-    "--batch-size",
-    "4",
-    "--report-interval-s",
-    "0.25",
-    "--total-env-steps",
-    "100000000",
-]
+LEARNER_FLAGS = CARTPOLE_LEARNER
 ACTOR_FLAGS = ["--num-actors", "1", "--envs-per-actor", "2"]
 _CLI = Path(sys.executable).with_name("impala-async")
 CLI = [str(_CLI)] if _CLI.exists() else [sys.executable, "-m", "impala_async"]

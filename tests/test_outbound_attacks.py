@@ -24,25 +24,10 @@ import pytest
 import zmq
 from attacks import CopyCounter
 from attacks_outbound import credit_bypass, idle_subscribers
-from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import CARTPOLE_LEARNER, cli, free_port_pair, read_metrics, stop, tail, wait_for
 
 MIB = 1 << 20
-FLAGS = [
-    "--env",
-    "CartPole-v1",
-    "--hidden-sizes",
-    "512,512",
-    "--unroll-length",
-    "10",
-    "--batch-size",
-    "4",
-    "--report-interval-s",
-    "0.25",
-    "--total-env-steps",
-    "100000000",
-    "--max-policy-lag",
-    "1000",
-]
+FLAGS = [*CARTPOLE_LEARNER, "--hidden-sizes", "512,512", "--max-policy-lag", "1000"]
 
 
 class Learner:

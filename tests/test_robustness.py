@@ -35,22 +35,11 @@ from attacks import (
     tree_message,
     unfinished_multipart,
 )
-from procutil import TINY, cli, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import CARTPOLE_LEARNER, TINY, cli, free_port_pair, read_metrics, stop, tail, wait_for
 
 from impala_async.learner import checkpoint
 
-FLAGS = [
-    "--env",
-    "CartPole-v1",
-    "--unroll-length",
-    "10",
-    "--batch-size",
-    "4",
-    "--report-interval-s",
-    "0.25",
-    "--total-env-steps",
-    "100000000",
-]
+FLAGS = CARTPOLE_LEARNER
 MIB = 1 << 20
 
 
