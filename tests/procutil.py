@@ -172,3 +172,61 @@ def finish(proc: subprocess.Popen, log: Path | None, timeout_s: float, code: int
     finally:
         stop(proc)
     assert got == code, f"exit {got}, expected {code}\n{tail(log, 80)}"
+
+
+class LearnerProcess:
+    """`impala-async learner` (``flags``, then ``extra``) on two free loopback ports, logging to ``tmp/NAME.log`` with
+    its logdir ``tmp/NAME``; one real actor of 2 environments once :meth:`attach_actor` is called. Its metrics are
+    read back and every wait is bounded and names what it waited for."""
+
+    def __init__(self, tmp: Path, *extra: str, flags=CARTPOLE_LEARNER, name: str = "learner", preexec_fn=None):
+        self.port = free_port_pair()
+        self.host = "127.0.0.1"
+        self.listen, self.weights = f"tcp://{self.host}:{self.port}", f"tcp://{self.host}:{self.port + 1}"
+        self.logdir, self.log = tmp / name, tmp / f"{name}.log"
+        self.actor, self.actor_log = None, tmp / f"{name}-actor.log"
+        self.proc = cli(
+            "learner", *flags, "--listen", self.listen, "--logdir", str(self.logdir), *extra, log=self.log,
+            preexec_fn=preexec_fn,
+        )  # fmt: skip
+
+    def attach_actor(self, *extra: str) -> None:
+        self.actor = cli("actor", "--learner", self.listen, "--envs-per-actor", "2", *extra, log=self.actor_log)
+        self.wait(lambda r: r["learner_steps"] > 0, "the learner to train", 120)
+
+    def rows(self) -> list[dict]:
+        return read_metrics(self.logdir)
+
+    def last(self) -> dict:
+        rows = self.rows()
+        return rows[-1] if rows else {}
+
+    def wait(self, cond, what: str, timeout_s: float = 30.0) -> dict:
+        """The first metrics record (the latest at each look) for which ``cond(record)`` holds."""
+
+        def check():
+            row = self.last()
+            return row if row and cond(row) else None
+
+        return wait_for(check, timeout_s, what, self.proc, self.log)
+
+    def trains_on(self, what: str, max_policy_lag: int | None = None) -> dict:
+        """Training goes on and the real actor's messages are accepted (and, given ``max_policy_lag``, it acts with
+        weights at most that many updates old)."""
+        row = self.last()
+        got = self.wait(
+            lambda r: (
+                r["learner_steps"] > row["learner_steps"] + 2
+                and r["trajectories_received"] > row["trajectories_received"]
+            ),
+            f"training to go on after {what}",
+        )
+        assert self.actor is not None and self.actor.poll() is None, tail(self.actor_log)
+        lag = got["policy_lag_max"]
+        assert max_policy_lag is None or lag is None or lag <= max_policy_lag, f"the actor's weights are old: {got}"
+        return got
+
+    def close(self) -> None:
+        if self.actor is not None:
+            stop(self.actor)
+        stop(self.proc)

@@ -19,7 +19,7 @@ import msgpack
 import pytest
 from attacks import LearnerView, message, push
 from helpers import random_arrays
-from procutil import CARTPOLE_LEARNER, TINY, cli, finish, free_port_pair, read_metrics, stop, wait_for
+from procutil import TINY, LearnerProcess, cli, finish, free_port_pair, read_metrics, stop, wait_for
 
 from impala_async.core import wire
 from impala_async.learner.pacing import Pacer
@@ -37,46 +37,9 @@ CURRICULUM = [
 ]
 
 
-class Learner:
-    def __init__(self, tmp, *extra: str):
-        port = free_port_pair()
-        self.listen, self.weights = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}"
-        self.logdir, self.log = tmp / "run", tmp / "learner.log"
-        self.proc = cli(
-            "learner",
-            *CARTPOLE_LEARNER,
-            "--listen",
-            self.listen,
-            "--logdir",
-            str(self.logdir),
-            *extra,
-            log=self.log,
-        )
-        self.actor = None
-
-    def attach_actor(self) -> None:
-        self.actor = cli("actor", "--learner", self.listen, "--envs-per-actor", "2", log=self.log.with_name("a.log"))
-        self.wait(lambda r: r["learner_steps"] > 0, "the learner to train", 120)
-
-    def rows(self) -> list[dict]:
-        return read_metrics(self.logdir)
-
-    def wait(self, cond, what: str, timeout_s: float = 30.0) -> dict:
-        def check():
-            rows = self.rows()
-            return rows[-1] if rows and cond(rows[-1]) else None
-
-        return wait_for(check, timeout_s, what, self.proc, self.log)
-
-    def close(self) -> None:
-        if self.actor is not None:
-            stop(self.actor)
-        stop(self.proc)
-
-
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory, ctx):
-    run = Learner(tmp_path_factory.mktemp("misled"), *CURRICULUM)
+    run = LearnerProcess(tmp_path_factory.mktemp("misled"), *CURRICULUM)
     try:
         run.attach_actor()
         run.view = LearnerView(ctx, run.weights).refresh()

@@ -18,69 +18,20 @@ Every test here fails on the code before (96757dd): no subscriber is cut, and th
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import zmq
 from attacks import CopyCounter
 from attacks_outbound import credit_bypass, idle_subscribers
-from procutil import CARTPOLE_LEARNER, cli, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import CARTPOLE_LEARNER, LearnerProcess, wait_for
 
 MIB = 1 << 20
 FLAGS = [*CARTPOLE_LEARNER, "--hidden-sizes", "512,512", "--max-policy-lag", "1000"]
 
 
-class Learner:
-    """A learner subprocess on two free loopback ports, with one real actor once :meth:`attach_actor` is called."""
-
-    def __init__(self, tmp: Path, *extra: str):
-        self.port = free_port_pair()
-        self.host = "127.0.0.1"
-        self.listen, self.weights = f"tcp://{self.host}:{self.port}", f"tcp://{self.host}:{self.port + 1}"
-        self.logdir, self.log = tmp / "learner", tmp / "learner.log"
-        self.proc = cli("learner", *FLAGS, "--listen", self.listen, "--logdir", str(self.logdir), *extra, log=self.log)
-        self.actor = None
-
-    def attach_actor(self) -> None:
-        self.actor_log = self.log.with_name("actor.log")
-        self.actor = cli("actor", "--learner", self.listen, "--envs-per-actor", "2", log=self.actor_log)
-        self.wait(lambda r: r["learner_steps"] > 0, "the learner to train", 120)
-
-    def last(self) -> dict:
-        rows = read_metrics(self.logdir)
-        return rows[-1] if rows else {}
-
-    def wait(self, cond, what: str, timeout_s: float = 20.0) -> dict:
-        def check():
-            row = self.last()
-            return row if row and cond(row) else None
-
-        return wait_for(check, timeout_s, what, self.proc, self.log)
-
-    def trains_on(self, what: str) -> dict:
-        """Training goes on, the real actor's messages are accepted, and it acts with recent weights."""
-        row = self.last()
-        got = self.wait(
-            lambda r: (
-                r["learner_steps"] > row["learner_steps"] + 2
-                and r["trajectories_received"] > row["trajectories_received"]
-            ),
-            f"training to go on after {what}",
-        )
-        assert self.actor.poll() is None, tail(self.actor_log)
-        assert got["policy_lag_max"] is None or got["policy_lag_max"] <= 100, f"the actor's weights are old: {got}"
-        return got
-
-    def close(self) -> None:
-        if self.actor is not None:
-            stop(self.actor)
-        stop(self.proc)
-
-
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):
     """Subscribers stalled for 2 s are cut; trajectory connections may hold 2 MiB unread (messages up to 1 MiB)."""
-    one = Learner(
+    one = LearnerProcess(
         tmp_path_factory.mktemp("outbound"),
         "--max-subscriber-stall-s",
         "2",
@@ -88,6 +39,7 @@ def learner(tmp_path_factory):
         str(MIB),
         "--max-unread-bytes-per-connection",
         str(2 * MIB),
+        flags=FLAGS,
     )
     try:
         one.attach_actor()
@@ -134,7 +86,7 @@ def test_subscribers_that_take_nothing_are_cut_and_honest_ones_keep_their_weight
     finally:
         stayed = honest.close()
     assert stayed, "the honest subscriber's connection was cut"
-    learner.trains_on("60 stalled subscribers")
+    learner.trains_on("60 stalled subscribers", max_policy_lag=100)
 
 
 def test_weights_held_for_stalled_subscribers_are_bounded(tmp_path, ctx):
@@ -143,7 +95,9 @@ def test_weights_held_for_stalled_subscribers_are_bounded(tmp_path, ctx):
     held them all (about 200 MiB more resident memory, no cut). With max_weights_held_bytes 16 MiB the subscribers
     stalled longest are cut within a second or two, long before the stall bound: only the few holding the newest
     versions stay, memory grows by about the bound, and the actor trains on."""
-    one = Learner(tmp_path, "--max-subscriber-stall-s", "120", "--max-weights-held-bytes", str(16 * MIB))
+    one = LearnerProcess(
+        tmp_path, "--max-subscriber-stall-s", "120", "--max-weights-held-bytes", str(16 * MIB), flags=FLAGS
+    )
     honest = None
     try:
         one.attach_actor()
@@ -158,7 +112,7 @@ def test_weights_held_for_stalled_subscribers_are_bounded(tmp_path, ctx):
         honest.wait_weights(copies + 3, "weights for the honest subscriber after the attack")
         assert honest.close(), "the honest subscriber's connection was cut"
         honest = None
-        one.trains_on("100 stalled subscribers")
+        one.trains_on("100 stalled subscribers", max_policy_lag=100)
     finally:
         if honest is not None:
             honest.close()
@@ -185,4 +139,4 @@ def test_empty_messages_buy_no_unread_bytes(learner):
         lambda r: r["connections_cut_unread_bytes"] > before["connections_cut_unread_bytes"],
         "the cut to be counted",
     )
-    learner.trains_on("the credit bypass")
+    learner.trains_on("the credit bypass", max_policy_lag=100)

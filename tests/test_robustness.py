@@ -35,71 +35,17 @@ from attacks import (
     tree_message,
     unfinished_multipart,
 )
-from procutil import CARTPOLE_LEARNER, TINY, cli, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import TINY, LearnerProcess, cli, free_port_pair, read_metrics, stop, tail, wait_for
 
 from impala_async.learner import checkpoint
 
-FLAGS = CARTPOLE_LEARNER
 MIB = 1 << 20
-
-
-class Learner:
-    def __init__(self, tmp: Path, *extra: str, preexec_fn=None, name: str = "learner"):
-        self.port = free_port_pair()
-        self.host = "127.0.0.1"
-        self.listen, self.weights = f"tcp://{self.host}:{self.port}", f"tcp://{self.host}:{self.port + 1}"
-        self.logdir, self.log = tmp / name, tmp / f"{name}.log"
-        self.proc = cli(
-            "learner",
-            *FLAGS,
-            "--listen",
-            self.listen,
-            "--logdir",
-            str(self.logdir),
-            *extra,
-            log=self.log,
-            preexec_fn=preexec_fn,
-        )
-        self.actor = None
-
-    def attach_actor(self, *extra: str) -> None:
-        self.actor_log = self.log.with_name(self.log.stem + "-actor.log")
-        self.actor = cli("actor", "--learner", self.listen, "--envs-per-actor", "2", *extra, log=self.actor_log)
-        self.wait(lambda r: r["learner_steps"] > 0, "the learner to train", 120)
-
-    def last(self) -> dict:
-        rows = read_metrics(self.logdir)
-        return rows[-1] if rows else {}
-
-    def wait(self, cond, what: str, timeout_s: float = 20.0) -> dict:
-        def check():
-            row = self.last()
-            return row if row and cond(row) else None
-
-        return wait_for(check, timeout_s, what, self.proc, self.log)
-
-    def trains_on(self, what: str) -> None:
-        """Training goes on and the real actor's messages are accepted."""
-        row = self.last()
-        self.wait(
-            lambda r: (
-                r["learner_steps"] > row["learner_steps"] + 2
-                and r["trajectories_received"] > row["trajectories_received"]
-            ),
-            f"training to go on after {what}",
-        )
-        assert self.actor.poll() is None, tail(self.actor_log)
-
-    def close(self) -> None:
-        if self.actor is not None:
-            stop(self.actor)
-        stop(self.proc)
 
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory, ctx):
     """A learner without CURVE (loopback) and one real actor, training; small bounds on unread bytes."""
-    learner = Learner(
+    learner = LearnerProcess(
         tmp_path_factory.mktemp("plain"),
         "--max-unread-bytes-per-connection",
         str(24 * MIB),
@@ -339,7 +285,9 @@ def test_thousands_of_connections_before_authentication_do_not_end_the_run(tmp_p
     any handshake: with a 1024-descriptor limit the old learner's periodic checkpoint failed with EMFILE, the
     exception ended the training thread and the run ended with no checkpoint at all."""
     ldir, adir = _keys(tmp_path)
-    learner = Learner(tmp_path, "--curve-keys", str(ldir), "--checkpoint-interval-s", "1", preexec_fn=_nofile(1024))
+    learner = LearnerProcess(
+        tmp_path, "--curve-keys", str(ldir), "--checkpoint-interval-s", "1", preexec_fn=_nofile(1024)
+    )
     held = []
     try:
         learner.attach_actor("--curve-keys", str(adir))
