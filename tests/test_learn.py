@@ -67,6 +67,25 @@ def test_one_step_updates_parameters(env_id, precision, want, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "image"])
+def test_the_warm_up_pass_changes_nothing_the_first_update_sees(env_id, device):
+    """The learner command warms CUDA up with a pass on zeros before actors may send: the first real update must be
+    exactly the one a learner without it makes (no weight, gradient or optimizer state left behind)."""
+    spec = _spec(env_id)
+    warmed, cold = _learner(spec, device), _learner(spec, device)
+    warmed.zero_pass()
+    warmed.warm_up()
+    assert all(p.grad is None for p in warmed.model.parameters()) and not warmed.optimizer.state
+    batch = _batch(spec, device=device)
+    a, b = warmed.step(batch), cold.step(batch)
+    assert a["loss_pg"] == pytest.approx(b["loss_pg"], rel=1e-5) and a["grad_norm"] == pytest.approx(
+        b["grad_norm"], rel=1e-4
+    )
+    for p, q in zip(warmed.model.parameters(), cold.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)  # exact on a CPU; CUDA's convolution gradients may sum in another order
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "image"])
 def test_bf16_gradient_agrees_with_fp32(env_id, device):
     """The same batch and weights: the bf16 gradient points where the fp32 one does (bf16 keeps 8 bits of mantissa,
     so agreement is to a fraction of a percent, not to 1e-5)."""

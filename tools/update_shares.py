@@ -17,6 +17,11 @@ thread (`--threads`), on a batch of plausible values (tools/ceiling.py's), and s
 
 Prints ms per update and per agent step and each stage's share (``--json``: one JSON object). Measure alone on the
 machine; compare two checkouts by running this file with `PYTHONPATH=<checkout>` in alternation.
+
+``--device cuda``: the update on the GPU (the learner warmed up as the learner command does), timed whole: its stages
+run asynchronously there, so only the total (which `Learner.step` ends by waiting for) and the agent steps a second
+one rank trains are printed. That is the learner alone, without its ingest: an upper bound for a learner fed by
+enough actors.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def timed(into: dict, name: str, fn):
     return wrapper
 
 
-def measure(train_flags: list[str], updates: int, warmup: int, threads: int) -> dict:
+def measure(train_flags: list[str], updates: int, warmup: int, threads: int, device: str = "cpu") -> dict:
     import torch
     from ceiling import random_batch, resolved
 
@@ -57,8 +62,11 @@ def measure(train_flags: list[str], updates: int, warmup: int, threads: int) -> 
 
     torch.set_num_threads(threads)
     cfg, spec, _ = resolved(train_flags)
-    learner = build_learner(cfg, spec, torch.device("cpu"))
-    batch = random_batch(spec, cfg.loss.batch_size, spec.num_actions)
+    learner = build_learner(cfg, spec, torch.device(device))
+    learner.warm_up()
+    batch = {k: v.to(device) for k, v in random_batch(spec, cfg.loss.batch_size, spec.num_actions).items()}
+    if device != "cpu":
+        return _whole(learner, batch, cfg, spec, updates, warmup, device)
     spent: dict[str, float] = {}
     # learn.py calls these through its module attributes and the learner's own: wrapped there, for this process only
     learn.loss.inputs = timed(spent, "inputs", learn.loss.inputs)
@@ -89,6 +97,28 @@ def measure(train_flags: list[str], updates: int, warmup: int, threads: int) -> 
     }
 
 
+def _whole(learner, batch, cfg, spec, updates: int, warmup: int, device: str) -> dict:
+    """Whole updates on an accelerator, where the stages run asynchronously."""
+    for _ in range(warmup):
+        learner.step(batch)
+    t0 = time.perf_counter()
+    for _ in range(updates):
+        learner.step(batch)  # ends with the statistics' .tolist(): the update is done on the device
+    total_s = time.perf_counter() - t0
+    steps = cfg.loss.batch_size * spec.unroll_length
+    return {
+        "env": cfg.env.env,
+        "device": device,
+        "model": learner.model_config.kind,
+        "precision": cfg.loss.precision,
+        "batch_size": cfg.loss.batch_size,
+        "unroll_length": spec.unroll_length,
+        "updates": updates,
+        "ms_per_update": round(1e3 * total_s / updates, 3),
+        "agent_steps_per_s": round(updates * steps / total_s, 1),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -96,12 +126,19 @@ def main(argv=None) -> int:
     p.add_argument("--updates", type=int, default=100, help="updates timed (default: 100)")
     p.add_argument("--warmup", type=int, default=10, help="updates before timing (default: 10)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    p.add_argument("--device", default="cpu", help="cpu (stages timed) or cuda (whole updates; default: cpu)")
     p.add_argument("--json", action="store_true")
     p.add_argument("train_flags", nargs="*", help="after --: train's flags")
     args = p.parse_args(argv)
-    r = measure(args.train_flags, args.updates, args.warmup, args.threads)
+    r = measure(args.train_flags, args.updates, args.warmup, args.threads, args.device)
     if args.json:
         print(json.dumps(r))
+        return 0
+    if "share" not in r:
+        print(
+            f"{r['env']} on {r['device']}: {r['ms_per_update']:.2f} ms an update, "
+            f"{r['agent_steps_per_s']:,.0f} agent steps/s"
+        )
         return 0
     print(
         f"{r['env']}: B {r['batch_size']} x T {r['unroll_length']}, {r['threads']} thread(s), {r['updates']} updates:"

@@ -223,6 +223,7 @@ def _serve(layered: Layered, spec, env_backend: str, device, keys, group, start_
     learner, resumed = resume.restore(
         lambda: build_learner(cfg, spec, device), cfg, spec, group.resumed, group.rank, group.world
     )
+    learner.warm_up()  # CUDA's lazy start before any actor can send
     group.distribute(learner)  # several ranks: gradients averaged over them
     actors, keys = _local_actors(cfg, keys, group, lambda: server.endpoints)
     server = LearnerServer(
