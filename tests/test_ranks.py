@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import time
 
 import psutil
@@ -259,7 +260,12 @@ def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
             "learner", "--resume", str(logdir), "--listen", f"tcp://127.0.0.1:{port}", "--total-env-steps", str(more),
             log=llog2,
         )  # fmt: skip
-        finish(learner, llog2, 120)
+        try:
+            code = learner.wait(120)
+        except subprocess.TimeoutExpired:  # once in CI (2026-12-03): no update for 120 s; say where each part was
+            code = f"no exit within 120 s; actors {'running' if actors.poll() is None else f'exited {actors.poll()}'}"
+        last = (read_metrics(logdir) or [{}])[-1]
+        assert code == 0, f"{code}\nper rank: {last.get('ranks')}\n{tail(llog2, 60)}\nactors:\n{tail(alog, 30)}"
         state = assert_ranks_identical(logdir)
         assert state["updates"] == saved["learner"]["updates"] + 30, (state["updates"], saved["learner"]["updates"])
         assert re.search(r"rank1 .*learner rank 1 of 2", llog2.read_text())
