@@ -60,6 +60,7 @@ def documented_metrics() -> set[str]:
 
 TINY = ["--config", str(Path(__file__).resolve().parent / "tiny.toml")]  # tests/tiny.toml: CartPole, 1 actor, B 4
 ENDLESS = [*TINY, "--total-env-steps", "100000000", "--lr-schedule", "constant"]  # runs until stopped
+TINY_PONG = ["--config", str(Path(__file__).resolve().parent / "tiny-pong.toml")]  # 400 steps of Pong, B 2
 # The `learner` command's endless CartPole (T 10, B 4, four reports a second), for actors a test attaches itself.
 CARTPOLE_LEARNER = ["--env", "CartPole-v1", "--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.25",
                     "--total-env-steps", "100000000"]  # fmt: skip

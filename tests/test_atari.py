@@ -7,7 +7,7 @@ command installs it, so CI runs these.
 import numpy as np
 import pytest
 import torch
-from procutil import cli, finish, read_metrics
+from procutil import TINY_PONG, cli, finish, read_metrics
 
 from impala_async.learner import checkpoint
 
@@ -53,26 +53,7 @@ def test_pong_is_preprocessed_to_stacked_84x84_frames():
 def test_train_pong_end_to_end(tmp_path):
     """`impala-async train --env ALE/Pong-v5` on a tiny budget: the CNN trains on real ALE frames and exits 0."""
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli(
-        "train",
-        "--env",
-        "ALE/Pong-v5",
-        "--num-actors",
-        "1",
-        "--envs-per-actor",
-        "2",
-        "--unroll-length",
-        "20",
-        "--batch-size",
-        "2",
-        "--total-env-steps",
-        "400",
-        "--report-interval-s",
-        "0.5",
-        "--logdir",
-        str(logdir),
-        log=log,
-    )
+    proc = cli("train", *TINY_PONG, "--logdir", str(logdir), log=log)
     finish(proc, log, 180)
     rows = read_metrics(logdir)
     last = rows[-1]

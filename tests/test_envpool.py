@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 import pytest
-from procutil import cli, finish, read_metrics, tail
+from procutil import TINY_PONG, cli, finish, read_metrics, tail
 
 from impala_async.actors.vec import ATARI_FRAME_CAP, envpool_settings, make_vec, resolve_backend
 
@@ -290,26 +290,7 @@ def test_train_pong_with_envpool_end_to_end(tmp_path):
     single frames, and the learner accepts every trajectory."""
     logdir, log = tmp_path / "run", tmp_path / "log"
     proc = cli(
-        "train",
-        "--env",
-        "ALE/Pong-v5",
-        "--env-backend",
-        "envpool",
-        "--num-actors",
-        "1",
-        "--envs-per-actor",
-        "4",
-        "--unroll-length",
-        "20",
-        "--batch-size",
-        "2",
-        "--total-env-steps",
-        "400",
-        "--report-interval-s",
-        "0.5",
-        "--logdir",
-        str(logdir),
-        log=log,
+        "train", *TINY_PONG, "--env-backend", "envpool", "--envs-per-actor", "4", "--logdir", str(logdir), log=log
     )
     finish(proc, log, 180)
     text = log.read_text()

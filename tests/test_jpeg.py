@@ -6,7 +6,6 @@ choices, and a real learner trained on JPEG frames.
 Skipped where simplejpeg (the `jpeg` extra) is not installed; the README's test command installs it.
 """
 
-import subprocess
 import sys
 
 import msgpack
@@ -345,38 +344,14 @@ def test_the_learner_flag():
 def test_train_pong_on_jpeg_frames(tmp_path):
     """The real CLI: actors read --obs-codec from the weights message and send JPEG frames; the learner trains."""
     pytest.importorskip("ale_py")
-    from procutil import cli, read_metrics, stop, tail
+    from procutil import TINY_PONG, cli, finish, read_metrics
 
     logdir, log = tmp_path / "run", tmp_path / "log"
     proc = cli(
-        "train",
-        "--env",
-        "ALE/Pong-v5",
-        "--obs-codec",
-        "jpeg",
-        "--jpeg-quality",
-        "80",
-        "--num-actors",
-        "1",
-        "--envs-per-actor",
-        "2",
-        "--unroll-length",
-        "20",
-        "--batch-size",
-        "2",
-        "--total-env-steps",
-        "200",
-        "--report-interval-s",
-        "0.5",
-        "--logdir",
-        str(logdir),
-        log=log,
-    )
-    try:
-        assert proc.wait(120) == 0, tail(log)
-    except subprocess.TimeoutExpired:
-        stop(proc)
-        raise AssertionError(f"train did not finish within 120 s\n{tail(log, 80)}") from None
+        "train", *TINY_PONG, "--obs-codec", "jpeg", "--jpeg-quality", "80", "--total-env-steps", "200",
+        "--logdir", str(logdir), log=log,
+    )  # fmt: skip
+    finish(proc, log, 120)
     last = read_metrics(logdir)[-1]
     assert last["trajectories_received"] >= 10 and last["learner_steps"] >= 5, last
     assert last["trajectories_jpeg"] == last["trajectories_received"], "the actor did not send JPEG frames"

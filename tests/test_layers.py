@@ -7,11 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import subprocess
 
 import pytest
 from procutil import cli as run_cli
-from procutil import tail
+from procutil import finish, tail
 
 from impala_async import cli
 from impala_async.config import INDEX, Layered, LearnerConfig, layers, presets
@@ -187,11 +186,7 @@ def test_the_run_writes_its_config_and_a_second_run_replays_it(tmp_path):
         str(first),
         log=log,
     )
-    try:
-        assert proc.wait(120) == 0, tail(log)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    finish(proc, log, 120)
     text = log.read_text()
     assert "loss.batch_size = 2" in text and "(flag)" in text and f"(file:{path})" in text, tail(log)
     saved = json.loads((first / "config.json").read_text())

@@ -4,10 +4,9 @@ on stderr when a run collapses."""
 from __future__ import annotations
 
 import math
-import subprocess
 
 import numpy as np
-from procutil import cli, read_metrics, stop, tail
+from procutil import cli, finish, read_metrics, tail
 
 from impala_async.config import LearnerConfig
 from impala_async.learner.watch import CollapseWatch
@@ -130,11 +129,7 @@ def test_cli_warns_when_a_run_collapses(tmp_path):
         str(logdir),
         log=log,
     )
-    try:
-        assert proc.wait(120) == 0, tail(log)
-    except subprocess.TimeoutExpired:
-        stop(proc)
-        raise AssertionError(f"train did not finish within 120 s\n{tail(log, 80)}") from None
+    finish(proc, log, 120)
     lines = [ln for ln in log.read_text().splitlines() if " W impala_async.learner.watch: " in ln]
     cliffs = [ln for ln in lines if "policy collapse?" in ln]
     assert len(cliffs) == 1, tail(log, 80)
