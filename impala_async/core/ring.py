@@ -43,6 +43,7 @@ class TrajectoryRing:
         *,
         pin_memory: bool = False,
         drop_when_full: bool = True,
+        on_release: Callable[[], None] | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -70,7 +71,7 @@ class TrajectoryRing:
         self._filling: int | None = 0
         self._row = 0
         self._closed = False
-        self.on_release: Callable[[], None] | None = None  # called (from the trainer thread) after a release
+        self.on_release = on_release  # called (from the trainer thread) after a release
         # Counters (trajectories), read by the server's metrics.
         self.dropped_full = 0
         self.dropped_stale = 0

@@ -33,10 +33,25 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
         timer.cancel()
 
 
+class Room:
+    """ "A ring slot was freed": said from any thread (the ring's ``on_release``, on the training thread), awaited by
+    a receive loop that holds a message the ring had no room for (``when_full = wait``)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.event = loop, asyncio.Event()
+
+    def freed(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+
 class Intake:
-    def __init__(self, ctx: zmq.Context, network: Network, limits: Limits, ingest: Ingest, secure=None):
-        """``secure(socket)`` makes the socket a CURVE server (ops/auth.py); call :meth:`bind` next."""
-        self.ingest = ingest
+    def __init__(self, ctx: zmq.Context, network: Network, limits: Limits, ingest: Ingest, room: Room, secure=None):
+        """``room``: told when the ring frees a slot; ``secure(socket)`` makes the socket a CURVE server
+        (ops/auth.py). Call :meth:`bind` next."""
+        self.ingest, self.room = ingest, room
         self.sock = ctx.socket(zmq.PULL)
         s = self.sock
         s.setsockopt(zmq.RCVHWM, network.receive_hwm_messages)
@@ -60,8 +75,6 @@ class Intake:
         # Monotonic time the receive loop last went round (at least every 0.1 s unless the event loop is stalled):
         # /healthz tells a stalled loop from a quiet one by it. None until the loop starts.
         self.beat: float | None = None
-        self._room: asyncio.Event | None = None  # set (from any thread, through wake()) when a ring slot is freed
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def bind(self, address: str) -> str:
         self.sock.bind(address)
@@ -74,29 +87,23 @@ class Intake:
     def counters(self) -> dict:
         return {"stage_receive_s": self.receive_s}
 
-    def wake(self) -> None:
-        """A ring slot was freed (the training thread): a receive loop waiting for room goes on."""
-        loop, room = self._loop, self._room
-        if loop is not None and room is not None:
-            loop.call_soon_threadsafe(room.set)
-
     async def run(self, until: asyncio.Event) -> None:
         """Drain the socket with non-blocking receives; sleep on its file descriptor only when it is empty, or on
         ring room while a decoded message waits for it (``when_full = wait``).
 
         ZeroMQ's FD is edge-triggered ("something may have changed"): the loop checks ZMQ_EVENTS before sleeping and
         after every wake-up, so it never sleeps with messages pending. No Future per message."""
-        self._loop, self._room = asyncio.get_running_loop(), asyncio.Event()
+        loop, room = asyncio.get_running_loop(), self.room.event
         readable = asyncio.Event()
         fd = self.sock.getsockopt(zmq.FD)
-        self._loop.add_reader(fd, readable.set)
+        loop.add_reader(fd, readable.set)
         try:
             while not until.is_set():
                 self.beat = time.monotonic()
                 if not self.ingest.continue_pending():
-                    self._room.clear()
+                    room.clear()
                     if not self.ingest.has_room():  # the trainer may have released a slot meanwhile
-                        await wait_event(self._room, 0.1)
+                        await wait_event(room, 0.1)
                     continue
                 if not self._has_message():
                     readable.clear()
@@ -106,7 +113,7 @@ class Intake:
                 self._drain()
                 await asyncio.sleep(0)  # let the other tasks run between drains
         finally:
-            self._loop.remove_reader(fd)
+            loop.remove_reader(fd)
 
     def _has_message(self) -> bool:
         return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)

@@ -225,14 +225,14 @@ def _serve(layered: Layered, spec, env_backend: str, device, keys, group, start_
     )
     learner.warm_up()  # CUDA's lazy start before any actor can send
     group.distribute(learner)  # several ranks: gradients averaged over them
-    actors, keys = _local_actors(cfg, keys, group, lambda: server.endpoints)
+    make_actors, keys = _local_actors(cfg, keys, group)
     server = LearnerServer(
         cfg,
         learner,
         spec,
         run_info(cfg, spec, learner, env_backend),
         start_monotonic=start_monotonic,
-        actors=actors,
+        make_actors=make_actors,
         keys=keys,
         resumed=resumed,
         ranks=group,
@@ -276,9 +276,9 @@ def run_info(cfg: LearnerConfig, spec, learner, env_backend: str) -> dict:
     }
 
 
-def _local_actors(cfg: LearnerConfig, keys, group, endpoints):
-    """(train's local actor processes, not started, or None; the CURVE keys, with theirs admitted). ``endpoints()``
-    gives the addresses bound once the server has started."""
+def _local_actors(cfg: LearnerConfig, keys, group):
+    """(``make_actors(listen, publish)``: train's local actor processes for the addresses bound, not started, or None;
+    the CURVE keys, with theirs admitted)."""
     from pathlib import Path
 
     from ..actors.procs import ActorProcesses, actor_argv
@@ -287,14 +287,19 @@ def _local_actors(cfg: LearnerConfig, keys, group, endpoints):
     if group.rank and keys is not None and cfg.local_actors > 0:
         keys = group.share_local_actor_key(keys)  # rank 0 made train's local actors a key: admit it too
     if cfg.local_actors <= 0 or group.rank:
-        return None, keys
+        return (lambda listen, publish: None), keys
     local_dir = ""
     if keys is not None:  # local actors get a key pair of their own, admitted for this run only
         local_dir, keys = auth.local_actor_keys(keys, Path(cfg.run.logdir) / ".local-actor-keys")
         keys = group.share_local_actor_key(keys)
     options = cfg.actors.options()
 
-    def argv(i: int, fd: int) -> list[str]:
-        return actor_argv(*endpoints(), i, fd, seed=cfg.run.seed, options=options, curve_keys=str(local_dir or ""))
+    def make_actors(listen: str, publish: str) -> ActorProcesses:
+        def argv(i: int, fd: int) -> list[str]:
+            return actor_argv(
+                listen, publish, i, fd, seed=cfg.run.seed, options=options, curve_keys=str(local_dir or "")
+            )
 
-    return ActorProcesses.with_options(argv, cfg.local_actors, options), keys
+        return ActorProcesses.with_options(argv, cfg.local_actors, options)
+
+    return make_actors, keys

@@ -1,15 +1,16 @@
 """The learner server's parts and what they share.
 
-:class:`Parts` holds each part the server's startup creates (None until then) and the run's fixed inputs, and reads
-what several consumers need from the parts' own answers (``counters()``, heartbeats): the counters snapshot of a report
-(counters.py), the state a checkpoint holds, the view a Prometheus scrape reads, /healthz, the SIGUSR1 summary. No part
-reads another through the server.
+:class:`Parts` holds one rank's parts, each whole (learner/assembly.py builds them), with the run's fixed inputs
+(:class:`Run`), and reads what several consumers need from the parts' own answers (``counters()``, heartbeats): the
+counters snapshot of a report (counters.py), the state a checkpoint holds, the view a Prometheus scrape reads,
+/healthz, the SIGUSR1 summary. :class:`Outputs` are rank 0's. No part reads another through the server.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -17,7 +18,7 @@ import zmq
 from ..config import LearnerConfig
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
-from . import checkpoint, counters, curriculum, prom
+from . import checkpoint, counters, prom
 from .histograms import Histogram
 from .ingest import Ingest
 from .intake import Intake
@@ -26,114 +27,69 @@ from .metrics import Reports, UpdateLog
 from .pacing import Pacer
 from .publisher import WeightsPublisher
 from .trainer import Trainer
-from .watch import CollapseWatch
 from .weights import Publication
 
 
+@dataclass(frozen=True)
+class Run:
+    """A learner run's fixed inputs: the resolved configuration, the trajectory spec, the run information actors read
+    from every weights message (``info``; rank 0 adds every rank's address when bound), the incarnation, when this
+    process started (monotonic) and the wall time of the runs it resumes."""
+
+    cfg: LearnerConfig
+    spec: TrajectorySpec
+    info: dict
+    incarnation: int
+    started_at: float
+    wall_offset_s: float
+    config_layers: dict
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Rank 0's outputs (assembly.assemble_outputs): checkpoints, the weights publication and the reports."""
+
+    checkpoints: checkpoint.Checkpoints
+    publication: Publication
+    reports: Reports
+
+    def after_update(self, now: float) -> None:
+        """Publish and checkpoint when due (the training thread)."""
+        self.publication.after_update(now)
+        self.checkpoints.after_update(now)
+
+
 class Parts:
+    """One learner rank's parts, each whole (assembly.assemble builds them in dependency order). Optional by
+    configuration: ``authenticator`` (CURVE) and ``actors`` (train's local actors, rank 0)."""
+
     def __init__(
         self,
-        cfg: LearnerConfig,
-        spec: TrajectorySpec,
+        run: Run,
         learner: Learner,
         *,
-        actors,
         ranks,
-        incarnation: int,
-        started_at: float,
-        wall_offset_s: float,
-        config_layers: dict,
+        ctx: zmq.Context,
+        authenticator,
+        ring: TrajectoryRing,
+        pacer: Pacer,
+        trainer: Trainer,
+        ingest: Ingest,
+        intake: Intake,
+        publisher: WeightsPublisher,
+        listen: str,
+        publish: str,
+        actors,
     ):
-        self.cfg, self.spec, self.learner, self.actors, self.ranks = cfg, spec, learner, actors, ranks
-        self.incarnation, self.config_layers = incarnation, config_layers
-        self.started_at, self.wall_offset_s = started_at, wall_offset_s
-        # Created by the server's startup, in this order.
-        self.ctx: zmq.Context | None = None
-        self.authenticator = None  # with CURVE: the ZAP authenticator (ops/auth.py)
-        self.ring: TrajectoryRing | None = None
-        self.pacer: Pacer | None = None
-        self.trainer: Trainer | None = None
-        self.ingest: Ingest | None = None
-        self.intake: Intake | None = None
-        self.publisher: WeightsPublisher | None = None
-        self.listen = self.publish = ""  # the addresses bound
-        self.checkpoints: checkpoint.Checkpoints | None = None
-        self.publication: Publication | None = None
-        self.reports: Reports | None = None
+        self.run, self.cfg, self.spec, self.learner, self.ranks = run, run.cfg, run.spec, learner, ranks
+        self.ctx, self.authenticator, self.ring, self.pacer, self.trainer = ctx, authenticator, ring, pacer, trainer
+        self.ingest, self.intake, self.publisher, self.actors = ingest, intake, publisher, actors
+        self.listen, self.publish = listen, publish  # the addresses bound
         self.updates = UpdateLog()  # the training thread's updates, for the next report
         self.loop_lag_s = Histogram()  # the event loop's lateness, this report interval
 
-    def create_data_path(self, resumed: dict | None, *, keys, lead: bool, after_update, on_trainer_exit) -> None:
-        """The ring, flow control, the training thread (not started) and ingest: the path from decoded bytes to the
-        update, none of which needs a socket. ``keys``: the CURVE keys (None without); ``lead``: rank 0."""
-        cfg = self.cfg
-        self.ring = TrajectoryRing(
-            self.spec,
-            cfg.loss.batch_size,
-            cfg.ring.ring_batches,
-            pin_memory=self.learner.device.type == "cuda",
-            drop_when_full=cfg.ring.when_full == "drop_oldest",
-        )
-        self.pacer = Pacer.from_config(cfg)
-        self.trainer = Trainer(
-            self.learner,
-            self.ring,
-            max_policy_lag=cfg.ring.max_policy_lag,
-            ingest_only=bool(cfg.run.ingest_only),
-            overlap_copies=bool(cfg.run.overlap_copies),
-            after_update=after_update,
-            on_exit=on_trainer_exit,
-            policy_version=resumed["policy_version"] if resumed else 0,
-            updates_per_batch=cfg.loss.updates_per_batch,
-        )
-        # Rank 0 publishes a version once it has made the update; another rank may finish that same update a moment
-        # later (lock step: never more than one behind), so it accepts one version ahead of its own.
-        ahead = 0 if lead else 1
-        self.ingest = Ingest(
-            cfg.limits,
-            cfg.ring.max_policy_lag,
-            self.spec,
-            self.ring,
-            lambda: self.trainer.policy_version + ahead,
-            self.incarnation,
-            key_names=sorted(keys.allowed.values()) if keys is not None else None,
-            pacer=self.pacer,
-            resumed=resumed,
-            accept_jpeg=cfg.env.obs_codec == "jpeg",
-        )
-
-    def create_publication(self, run_info: dict, publish: Callable[[bytes], None]) -> None:
-        """Weights out: encoded from the network with the run, the curriculum's difficulty (from the env steps the
-        whole learner trained) and the pace; ``publish(data)`` hands a message to the publisher from any thread."""
-        schedule = curriculum.from_config(self.cfg)
-        self.publication = Publication(
-            self.learner.model,
-            run_info,
-            self.incarnation,
-            version=lambda: self.trainer.policy_version,
-            difficulty=(lambda: schedule.value(self.learner.env_steps_trained)) if schedule else lambda: None,
-            pace=lambda: self.pacer.pace(self.ring.waiting_trajectories()),
-            publish=publish,
-            interval_s=self.cfg.network.publish_interval_s,
-        )
-
-    def create_reports(self, logdir, tboard, *, fresh: bool) -> None:
-        """The reports and their sinks (``tboard``: a TensorBoard writer or None); ``fresh``: not a resumed run."""
-        cfg = self.cfg
-        self.reports = Reports(
-            logdir,
-            take=self.snapshot,
-            updates=self.updates,
-            tboard=tboard,
-            watch=CollapseWatch.from_config(cfg, self.spec.num_actions, fresh=fresh),
-            reset_interval=self.reset_interval,
-            wall_s=self.wall_s,
-            batch_size=cfg.loss.batch_size,
-            learner_ranks=cfg.ranks.learner_ranks,
-        )
-
     def sources(self) -> list[Callable[[], dict]]:
-        """Every part's counters (counters.py), this rank's."""
+        """Every part's counters (counters.py), this rank's (rank 0's outputs add theirs to its reports)."""
         own = [
             self.ingest.counters,
             self.ring.counters,
@@ -145,12 +101,11 @@ class Parts:
             self.publisher.counters,
             self._server_counters,
         ]
-        optional = (self.publication, self.checkpoints, self.actors)
-        return own + [self.ranks.counters] + [x.counters for x in optional if x is not None]
+        return own + [self.ranks.counters] + ([self.actors.counters] if self.actors is not None else [])
 
     def _server_counters(self) -> dict:
         return {
-            "incarnation": self.incarnation,
+            "incarnation": self.run.incarnation,
             "loop_lag_p99_ms": self.loop_lag_s.quantile_ms(0.99),
             "histograms": self.updates.totals.snapshot(),
             # CURVE handshakes refused for an unlisted key (ops/auth.py); 0 without CURVE
@@ -160,8 +115,9 @@ class Parts:
     def own_figures(self) -> dict:
         return counters.figures(self.sources())
 
-    def snapshot(self) -> counters.Snapshot:
-        return counters.take(self.sources(), self.ranks.peers if self.ranks.rank == 0 else None)
+    def snapshot(self, more: list[Callable[[], dict]] | None = None) -> counters.Snapshot:
+        """The whole learner's figures (rank 0: with every rank's), with ``more`` sources added."""
+        return counters.take(self.sources() + (more or []), self.ranks.peers if self.ranks.rank == 0 else None)
 
     def reset_interval(self) -> None:
         """After a report: the interval histograms start again."""
@@ -169,7 +125,7 @@ class Parts:
         self.loop_lag_s.reset()
 
     def wall_s(self) -> float:
-        return self.wall_offset_s + time.monotonic() - self.started_at
+        return self.run.wall_offset_s + time.monotonic() - self.run.started_at
 
     def checkpoint_state(self) -> dict:
         snap = self.snapshot()  # every rank's env steps and episodes
@@ -182,7 +138,7 @@ class Parts:
             lengths=list(self.ingest.lengths),
             wall_s=self.wall_s(),
             config=self.cfg.flat(),
-            config_layers=self.config_layers,
+            config_layers=self.run.config_layers,
             spec=self.spec.to_dict(),
             torch_rng=torch.get_rng_state(),
         )
@@ -192,22 +148,20 @@ class Parts:
             stopping=stopping,
             exit_reason=exit_reason,
             trainer=self.trainer,
-            receive_beat=self.intake.beat if self.intake is not None else None,
+            receive_beat=self.intake.beat,
             stale_s=self.cfg.observe.health_stale_s,
             env_steps=self.ingest.env_steps,
             updates=self.learner.updates,
         )
 
-    def prometheus_view(self, healthy: bool) -> prom.View | None:
+    def prometheus_view(self, reports: Reports, healthy: bool) -> prom.View:
         """What a scrape reads (the metrics HTTP thread): the latest report's snapshot and record, live health."""
-        if self.reports is None:
-            return None
-        snap, rec = self.reports.latest
+        snap, rec = reports.latest
         now = time.monotonic()
         beats = {"trainer": now - self.trainer.heartbeat}
         if self.intake.beat is not None:
             beats["receive"] = now - self.intake.beat
-        run = {"env": self.cfg.env.env, "incarnation": str(self.incarnation), "device": str(self.learner.device)}
+        run = {"env": self.cfg.env.env, "incarnation": str(self.run.incarnation), "device": str(self.learner.device)}
         return prom.View(
             snap,
             rec,

@@ -1,17 +1,12 @@
 """The learner server: asyncio (uvloop) for sockets, one thread for training.
 
-Life: startup -> main loop -> shutdown -> forced exit. Startup creates the parts in this order, and shutdown closes
-them in the reverse one (each part's close registered as it is created, so only what exists is closed):
-
-1. the ZeroMQ context and the ZAP authenticator (CURVE);
-2. the sockets: :class:`~.intake.Intake` (trajectories in: PULL, guard, receive loop, :class:`~.ingest.Ingest` into
-   the ring) and :class:`~.publisher.WeightsPublisher` (weights out: XPUB); signal handlers;
-3. (rank 0) the metrics HTTP server (/metrics, /healthz: 503 until the receive loop runs, and again from the start
-   of the shutdown);
-4. (rank 0) checkpoints and reports (metrics.jsonl, console, TensorBoard); the first weights published;
-5. the learner ranks' watch (ranks.py; a single rank has none);
-6. (rank 0 of train) the local actors;
-7. the training thread (:class:`~.trainer.Trainer`).
+Life: startup -> main loop -> shutdown -> forced exit. Startup assembles the rank's parts (assembly.py: the ZeroMQ
+context and the ZAP authenticator, the data path, both sockets bound, train's local actors, and on rank 0 the
+outputs: checkpoints, the weights publication, TensorBoard, the reports), each part's close registered as it is made,
+then starts, in this order: signal handlers; (rank 0) the metrics HTTP server (/metrics, /healthz: 503 until the
+receive loop runs, and again from the start of the shutdown) and the first weights published; the learner ranks'
+watch (ranks.py; a single rank has none); (rank 0 of train) the local actors; the training thread
+(:class:`~.trainer.Trainer`). Shutdown closes everything in the reverse order, only what exists.
 
 The main loop runs the receive loop and the periodic tasks (tasks.py) until a stop is requested. The training
 thread's own close is the one step that does more than close: it stops training (with several ranks, after the same
@@ -31,35 +26,18 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
-
-import zmq
 
 from ..config import LearnerConfig
 from ..core.spec import TrajectorySpec
 from ..ops import exitcodes
 from ..ops.console import say
-from . import checkpoint, prom, tasks
-from .intake import Intake
+from . import prom, tasks
+from .assembly import StartupError, assemble, assemble_outputs, run_of
 from .learn import Learner
 from .metrics import Update
-from .parts import Parts
-from .publisher import WeightsPublisher
-from .tboard import tensorboard_writer
+from .parts import Outputs, Parts
 
 log = logging.getLogger("impala_async.learner.server")
-
-
-class StartupError(Exception):
-    """What keeps the learner from starting (an address in use, a logdir it cannot write), said in one line."""
-
-
-def _bind(part, address: str, flag: str) -> str:
-    """``part.bind(address)``; StartupError naming the address and its flag if it cannot be bound."""
-    try:
-        return part.bind(address)
-    except zmq.ZMQError as e:
-        raise StartupError(f"cannot bind {address} ({flag}): {e.strerror}") from None
 
 
 class LearnerServer:
@@ -72,32 +50,31 @@ class LearnerServer:
         *,
         start_monotonic: float,
         ranks,
-        actors=None,
+        make_actors: Callable[[str, str], object | None] = lambda listen, publish: None,
         resumed: dict | None = None,
         keys=None,
         config_layers: dict | None = None,
     ):
         """``ranks``: this learner's rank, a ``SingleRank`` or one of a ``RankGroup`` (ranks.py); only rank 0 (the lead)
-        publishes, reports and checkpoints. ``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP
+        publishes, reports and checkpoints. ``make_actors(listen, publish)``: train's local actors (not started) for
+        the addresses bound, or None. ``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP
         authentication."""
-        self.cfg, self.learner, self.spec, self.run_info = cfg, learner, spec, run_info
-        self.actors, self.keys, self.ranks, self.resumed = actors, keys, ranks, resumed
+        self.cfg, self.learner, self.keys, self.ranks, self.resumed = cfg, learner, keys, ranks, resumed
         self.lead = ranks.rank == 0
         # A learner run's incarnation travels with the weights, and trajectories acted with them carry it back, so
         # that messages acted under an earlier run's weights (after a restart) are told apart from forged ones.
-        self.incarnation = ranks.incarnation  # rank 0's, on every rank
-        self.started_at = start_monotonic
-        self.parts = Parts(
+        self.run = run_of(
             cfg,
             spec,
-            learner,
-            actors=actors,
-            ranks=ranks,
-            incarnation=self.incarnation,
+            run_info,
+            incarnation=ranks.incarnation,  # rank 0's, on every rank
             started_at=start_monotonic,
-            wall_offset_s=float(resumed["wall_s"]) if resumed else 0.0,
-            config_layers=dict(config_layers or {}),
+            resumed=resumed,
+            config_layers=config_layers,
         )
+        self._make_actors = make_actors
+        self.parts: Parts | None = None  # assembled by startup, inside the event loop
+        self.outputs: Outputs | None = None  # rank 0's, likewise
         self.exit_code, self.exit_reason = 0, ""
         self._closers: list[tuple[str, Callable]] = []
         self._stop: asyncio.Event | None = None
@@ -117,11 +94,6 @@ class LearnerServer:
         finally:
             await self._shutdown()
         return self.exit_code
-
-    @property
-    def endpoints(self) -> tuple[str, str]:
-        """(trajectory address, weights address) as bound: what local actors connect to."""
-        return self.parts.listen, self.parts.publish
 
     def stopping(self) -> bool:
         """Whether shutdown has begun (read by /healthz from its own thread)."""
@@ -145,108 +117,65 @@ class LearnerServer:
         self._closers.append((name, close))
 
     def _startup(self) -> None:
-        self._start_sockets()
-        if self.lead:
-            self._start_http()
-            self._start_reports()
-        self.ranks.watch(figures=self.parts.own_figures, on_stop=self.request_stop_threadsafe)
-        self._closes("learner ranks", self._finish_ranks)
-        if self.lead:
-            log.info(
-                "learner: trajectories in on %s, weights out on %s, logdir %s, device %s%s",
-                self.parts.listen,
-                self.parts.publish,
-                self.cfg.run.logdir,
-                self.learner.device,
-                ", ingest only" if self.cfg.run.ingest_only else "",
-            )
-            ranks = self.run_info.get("trajectory_addresses", [])
-            say(
-                f"impala-async learner listening: --learner {self.parts.listen} --weights {self.parts.publish}"
-                + (f" (learner ranks: {' '.join(ranks)})" if len(ranks) > 1 else ""),
-                sys.stdout,
-            )
-        if self.actors is not None:
-            self.actors.start()
-            self._closes("local actors", self._stop_actors)
-        self._start_training()
-
-    def _start_sockets(self) -> None:
-        """The context, authentication, both sockets bound, the ring and ingest behind the trajectory socket."""
-        cfg, p = self.cfg, self.parts
-        p.ctx = zmq.Context(1)
-        self._closes("zeromq context", p.ctx.term)
-        secure = self._start_authentication()
-        p.create_data_path(
-            self.resumed,
+        p = self.parts = assemble(
+            self.run,
+            self.learner,
+            ranks=self.ranks,
             keys=self.keys,
-            lead=self.lead,
+            resumed=self.resumed,
+            closes=self._closes,
             after_update=self._after_update,
             on_trainer_exit=self._on_trainer_exit,
+            make_actors=self._make_actors,
         )
-        p.intake = Intake(p.ctx, cfg.network, cfg.limits, p.ingest, secure)
-        p.ring.on_release = p.intake.wake
-        p.publisher = WeightsPublisher(p.ctx, cfg.network, cfg.limits, secure)
-        self._closes("sockets", lambda: (p.intake.close(), p.publisher.close()))
-        p.listen = _bind(p.intake, cfg.network.listen, "--listen")
-        # Only rank 0 publishes; another rank's publisher is bound where nobody can reach it.
-        p.publish = _bind(
-            p.publisher, cfg.network.publish if self.lead else "inproc://unpublished-weights", "--publish"
-        )
-        addresses = self.ranks.share_address(p.listen)
-        if self.lead:  # every rank's trajectory address, in rank order (docs/protocol.md, Transport)
-            self.run_info["trajectory_addresses"] = addresses
+        self._start_signal_handlers()
+        if self.lead:
+            self.outputs = assemble_outputs(p, fresh=not self.resumed, closes=self._closes)
+            self._start_http(self.outputs)
+            weights = self.outputs.publication.encode()
+            if weights is None:
+                raise RuntimeError("the initial weights are not finite")
+            p.publisher.publish(weights)
+            self._say_listening()
+        self.ranks.watch(figures=p.own_figures, on_stop=self.request_stop_threadsafe)
+        self._closes("learner ranks", self._finish_ranks)
+        if p.actors is not None:
+            p.actors.start()
+            self._closes("local actors", self._stop_actors)
+        p.trainer.start()
+        self._closes("training", self._stop_training)
+
+    def _start_signal_handlers(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._on_signal, sig)
         self._loop.add_signal_handler(signal.SIGUSR1, tasks.dump_state, self._loop, self.parts.state_summary)
         self._closes("signal handlers", self._remove_signal_handlers)
 
-    def _start_authentication(self):
-        """With keys: start the ZAP authenticator (before any bind: no window without it) and return the function that
-        makes a socket a CurveZMQ server admitting only the allowed keys (see auth.py). Without keys: None."""
-        if self.keys is None:
-            return None
-        from ..ops import auth
-
-        authenticator = self.parts.authenticator = auth.start_thread_authenticator(self.parts.ctx, self.keys)
-        self._closes("authenticator", lambda: auth.stop_authenticator(authenticator))
-        log.info("CURVE on: %d allowed actor key(s)", len(self.keys.allowed))
-        return lambda sock: auth.make_curve_server(sock, self.keys)
-
-    def _start_http(self) -> None:
+    def _start_http(self, outputs: Outputs) -> None:
         http = prom.start(
-            self.cfg.observe, view=lambda: self.parts.prometheus_view(self._health()[0]), health=self._health
+            self.cfg.observe,
+            view=lambda: self.parts.prometheus_view(outputs.reports, self._health()[0]),
+            health=self._health,
         )
         if http is not None:
             self._closes("metrics HTTP server", http.close)
 
-    def _start_reports(self) -> None:
-        """Checkpoints, the reports and their sinks, the first weights published."""
-        cfg, p = self.cfg, self.parts
-        logdir = Path(cfg.run.logdir)
-        try:  # it holds the weights (checkpoints, 0600): only this user may list or enter it
-            logdir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(logdir, 0o700)
-            if checkpoint.remove_partial(logdir):
-                log.warning("removed a partial checkpoint left by an interrupted write in %s", logdir)
-            p.checkpoints = checkpoint.Checkpoints(logdir, cfg.checkpoints, self.learner, collect=p.checkpoint_state)
-        except OSError as e:
-            raise StartupError(f"cannot use the logdir {logdir} (--logdir): {e.strerror or e}") from None
-        self._closes("checkpoint writer", p.checkpoints.close)
-        p.create_publication(self.run_info, lambda data: self._loop.call_soon_threadsafe(p.publisher.publish, data))
-        weights = p.publication.encode()
-        if weights is None:
-            raise RuntimeError("the initial weights are not finite")
-        p.publisher.publish(weights)
-        tboard = tensorboard_writer(cfg, logdir)
-        if tboard is not None:
-            self._closes("TensorBoard writer", lambda: tboard.close(min(2.0, cfg.run.shutdown_timeout_s / 4)))
-        p.create_reports(logdir, tboard, fresh=not self.resumed)
-        self._closes("reports", p.reports.close)
-
-    def _start_training(self) -> None:
-        self.parts.trainer.start()
-        self._closes("training", self._stop_training)
+    def _say_listening(self) -> None:
+        p = self.parts
+        log.info(
+            "learner: trajectories in on %s, weights out on %s, logdir %s, device %s%s",
+            p.listen,
+            p.publish,
+            self.cfg.run.logdir,
+            self.learner.device,
+            ", ingest only" if self.cfg.run.ingest_only else "",
+        )
+        ranks = self.run.info.get("trajectory_addresses", [])
+        say(
+            f"impala-async learner listening: --learner {p.listen} --weights {p.publish}"
+            + (f" (learner ranks: {' '.join(ranks)})" if len(ranks) > 1 else ""),
+            sys.stdout,
+        )
 
     async def _main(self) -> None:
         cfg, p = self.cfg, self.parts
@@ -256,17 +185,17 @@ class LearnerServer:
             tasks.probe_loop_lag(p.loop_lag_s),
             tasks.guard_connections([p.intake.guard, p.publisher.guard], cfg.network.connection_check_interval_s),
             tasks.supervise(
-                self.actors,
+                p.actors,
                 p.ingest,
-                started_at=self.started_at,
+                started_at=self.run.started_at,
                 start_timeout_s=cfg.run.actor_start_timeout_s,
                 no_data_timeout_s=cfg.run.no_data_timeout_s,
                 listen=p.listen,
                 stop=self.request_stop,
             ),
         ]
-        if self.lead:
-            loops.append(tasks.every(cfg.observe.report_interval_s, p.reports.report))
+        if self.outputs is not None:
+            loops.append(tasks.every(cfg.observe.report_interval_s, self.outputs.reports.report))
         tasks_ = [asyncio.create_task(c) for c in loops]
         stop = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait([stop, *tasks_], return_when=asyncio.FIRST_COMPLETED)
@@ -292,8 +221,8 @@ class LearnerServer:
 
     def _force_exit(self, why: str) -> None:
         log.error("forced exit: %s", why)
-        if self.actors is not None:
-            self.actors.kill()
+        if self.parts is not None and self.parts.actors is not None:
+            self.parts.actors.kill()
         self.ranks.kill_children()
         os._exit(exitcodes.FORCED)
 
@@ -339,17 +268,18 @@ class LearnerServer:
         )
         trained.set()
         await asyncio.wait([intake], timeout=1.0)
-        if whole and p.checkpoints is not None:
-            path = await self._in_thread(p.checkpoints.final, cfg.run.shutdown_timeout_s)
+        out = self.outputs
+        if whole and out is not None:
+            path = await self._in_thread(out.checkpoints.final, cfg.run.shutdown_timeout_s)
             if path is not None:
                 log.info("final checkpoint: %s", path)
             elif self.exit_code == 0:
                 self.exit_reason, self.exit_code = "the final checkpoint could not be written", exitcodes.NO_CHECKPOINT
-        if p.reports is not None:
-            p.reports.report()
+        if out is not None:
+            out.reports.report()
 
     async def _stop_actors(self) -> None:
-        await self._in_thread(self.actors.stop, max(1.0, self.cfg.run.shutdown_timeout_s / 2))
+        await self._in_thread(self.parts.actors.stop, max(1.0, self.cfg.run.shutdown_timeout_s / 2))
 
     async def _finish_ranks(self) -> None:
         await self._in_thread(self.ranks.finish, self.parts.trainer, self.learner, self.cfg)
@@ -363,10 +293,8 @@ class LearnerServer:
             return False
         p.updates.add(update)
         p.pacer.consumed(len(update.lag), update.waited_s)
-        if self.lead:
-            now = time.monotonic()
-            p.publication.after_update(now)
-            p.checkpoints.after_update(now)
+        if self.outputs is not None:
+            self.outputs.after_update(time.monotonic())
         if self.learner.env_steps_trained >= cfg.run.total_env_steps:  # with ranks: all after the same update
             self.request_stop_threadsafe("total_env_steps reached", 0)
             return True
