@@ -7,10 +7,8 @@ import asyncio
 import types
 
 import torch
+from inprocess import configuration
 
-from impala_async import cli
-from impala_async.config.resolve import resolve
-from impala_async.learner import main as learner_main
 from impala_async.learner.assembly import assemble, assemble_outputs
 from impala_async.learner.learn import Learner
 from impala_async.learner.parts import Outputs
@@ -19,18 +17,8 @@ from impala_async.learner.ranks import SingleRank
 REQUIRED = ("ctx", "ring", "pacer", "trainer", "ingest", "intake", "publisher", "listen", "publish", "updates")
 
 
-def _configuration(tmp_path):
-    args = cli.build_parser().parse_args(
-        ["learner", "--env", "CartPole-v1", "--listen", "tcp://127.0.0.1:*", "--publish", "tcp://127.0.0.1:*"]
-        + ["--logdir", str(tmp_path / "run")]
-    )
-    layered, _ = cli.load_learner_config(args)
-    spec, probe, _ = learner_main.probe_environment(layered.cfg)
-    return resolve(layered, default_listen="tcp://127.0.0.1:*", probe=probe).cfg, spec
-
-
 def test_every_part_is_whole_and_closes_in_the_order_made(tmp_path):
-    cfg, spec = _configuration(tmp_path)
+    cfg, spec = configuration(tmp_path)
     closes: list[tuple[str, object]] = []
     made_for: list[tuple[str, str]] = []
     actors = types.SimpleNamespace(counters=dict)  # stands for train's actor processes, which assembly never starts

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import zmq
 from helpers import random_arrays
-from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import TINY, cli, free_port_pair, read_metrics, stop, tail, wait_for
 from zmq.utils.monitor import recv_monitor_message
 
 from impala_async.core import wire
@@ -40,16 +40,9 @@ class Learner:
         self.logdir, self.log = tmp / "run", tmp / "learner.log"
         self.proc = cli(
             "learner",
-            "--env",
-            "CartPole-v1",
+            *TINY,
             "--listen",
             self.endpoint,
-            "--unroll-length",
-            "10",
-            "--batch-size",
-            "4",
-            "--report-interval-s",
-            "0.5",
             "--logdir",
             str(self.logdir),
             "--max-message-bytes",

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 import zmq
-from procutil import cli, descendants, finish, gone, read_metrics, stop, tail, wait_for
+from procutil import TINY, cli, descendants, finish, gone, read_metrics, stop, tail, wait_for
 
 from impala_async.actors.endpoints import Endpoints, resolve
 from impala_async.config import LearnerConfig
@@ -194,18 +194,11 @@ def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
     logdir, llog, alog, llog2 = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actors.log", tmp_path / "l2"
     learner = cli(
         "learner",
-        "--env",
-        "CartPole-v1",
+        *TINY,
         "--learner-ranks",
         "2",
         "--listen",
         f"tcp://127.0.0.1:{port}",
-        "--unroll-length",
-        "10",
-        "--batch-size",
-        "4",
-        "--report-interval-s",
-        "0.5",
         "--total-env-steps",
         "100000000",
         "--rank-state-dump",

@@ -10,12 +10,12 @@ import psutil
 import pytest
 import torch
 import zmq
-from procutil import cli, descendants, finish, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import TINY, cli, descendants, finish, free_port_pair, read_metrics, stop, tail, wait_for
 
 from impala_async.core import wire
 from impala_async.learner import checkpoint
 
-LEARNER = ["--env", "CartPole-v1", "--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.5"]
+LEARNER = TINY  # CartPole, T 10, B 4, a report every 0.5 s
 SMALL = [*LEARNER, "--envs-per-actor", "4"]
 
 

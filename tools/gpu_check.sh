@@ -8,7 +8,7 @@
 # Each step has its own timeout, so a hang costs one step, not the run. Everything lands in two files under $OUT
 # (the device returns at most 8): gpu_check.log (all output, by step) and results.jsonl (one JSON object per
 # measurement, plus one per step with its exit code and seconds). Off a GPU (NO_WHEELS=1 PY=.venv/bin/python
-# OUT=/tmp/x) it runs the same steps, and the CUDA ones fail fast or skip. Typical run: about 6 minutes, plus
+# OUT=/tmp/x) it runs the same steps, and the CUDA ones fail fast or skip. Typical run: about 6.5 minutes, plus
 # about 2.5 for step 7 (the actors' forward pass on the GPU). ONLY=REGEX runs only the steps whose names match, e.g.
 # ONLY='environment|actor' bash tools/gpu_check.sh for step 7 alone (about 2.5 minutes).
 set -uo pipefail
@@ -78,6 +78,14 @@ for variant in overlap serial bf16; do
   [ "$variant" = bf16 ] && flags=(--learner-flag=--precision=bf16)
   json_step "loadtest_atari_train_$variant" 55 "$PY" tools/loadtest.py --obs atari --train --actors 8 --seconds 15 \
     --json "${flags[@]}"
+done
+
+# 5b. the learner's update alone on the GPU, fed from memory (no ingest): agent steps/s one rank trains
+for model in shallow deep; do
+  for precision in fp32 bf16; do
+    json_step "update_${model}_${precision}" 45 "$PY" tools/update_shares.py --device cuda --updates 30 --warmup 5 \
+      --json -- --env ALE/Pong-v5 --model "$model" --precision "$precision" --batch-size 32 --unroll-length 80
+  done
 done
 
 # 6. real Pong on the GPU for a minute: env steps/s with every core acting, learner updates/s

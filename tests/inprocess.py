@@ -1,0 +1,70 @@
+"""The real learner server inside the test's own event loop (as uvicorn's tests/utils.py runs its server): its
+configuration resolved as the `learner` command resolves it, real sockets on loopback, the real training thread; no
+process started. For behaviour that needs no second process: a test pushes trajectories and subscribes to weights
+itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import torch
+
+from impala_async import cli
+from impala_async.config.resolve import resolve
+from impala_async.core import wire
+from impala_async.learner import main as learner_main
+from impala_async.learner.learn import Learner
+from impala_async.learner.ranks import SingleRank
+from impala_async.learner.server import LearnerServer
+
+LOOPBACK = "tcp://127.0.0.1:*"  # a free port, chosen at bind
+
+
+def configuration(tmp_path, *flags: str):
+    """(configuration, trajectory spec) of `impala-async learner --env CartPole-v1 FLAGS` on loopback ports that the
+    bind chooses, its logdir under ``tmp_path``."""
+    args = cli.build_parser().parse_args(
+        ["learner", "--env", "CartPole-v1", "--listen", LOOPBACK, "--publish", LOOPBACK]
+        + ["--logdir", str(tmp_path / "run"), *flags]
+    )
+    layered, _ = cli.load_learner_config(args)
+    spec, probe, _ = learner_main.probe_environment(layered.cfg)
+    return resolve(layered, default_listen=LOOPBACK, probe=probe).cfg, spec
+
+
+@contextlib.asynccontextmanager
+async def serving(cfg, spec, *, timeout_s: float = 30.0):
+    """A LearnerServer serving in this loop until the block ends (then stopped and awaited, exit code in
+    ``server.exit_code``); entered once its receive loop runs."""
+    learner = Learner(cfg, spec, torch.device("cpu"))
+    incarnation = wire.new_incarnation()
+    server = LearnerServer(
+        cfg,
+        learner,
+        spec,
+        learner_main.run_info(cfg, spec, learner, "gymnasium"),
+        start_monotonic=time.monotonic(),
+        ranks=SingleRank(incarnation),
+    )
+    task = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + timeout_s
+    while server.parts is None or server.parts.intake.beat is None:  # assembled, and the receive loop runs
+        assert not task.done(), f"the server ended at startup: {server.exit_reason}"
+        assert time.monotonic() < deadline, "the server did not start"
+        await asyncio.sleep(0.01)
+    try:
+        yield server
+    finally:
+        if not task.done():
+            server.request_stop("the test is over")
+        await asyncio.wait_for(task, timeout_s)
+
+
+async def until(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Wait (yielding to the server) until ``condition()``; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
