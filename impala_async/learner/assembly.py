@@ -78,40 +78,8 @@ def assemble(
     closes("zeromq context", ctx.term)
     authenticator, secure = _authentication(ctx, keys, closes)
     room = Room(asyncio.get_running_loop())
-    ring = TrajectoryRing(
-        run.spec,
-        cfg.loss.batch_size,
-        cfg.ring.ring_batches,
-        pin_memory=learner.device.type == "cuda",
-        drop_when_full=cfg.ring.when_full == "drop_oldest",
-        on_release=room.freed,
-    )
-    pacer = Pacer.from_config(cfg)
-    trainer = Trainer(
-        learner,
-        ring,
-        max_policy_lag=cfg.ring.max_policy_lag,
-        ingest_only=bool(cfg.run.ingest_only),
-        overlap_copies=bool(cfg.run.overlap_copies),
-        after_update=after_update,
-        on_exit=on_trainer_exit,
-        policy_version=resumed["policy_version"] if resumed else 0,
-        updates_per_batch=cfg.loss.updates_per_batch,
-    )
-    # Rank 0 publishes a version once it has made the update; another rank may finish that same update a moment
-    # later (lock step: never more than one behind), so it accepts one version ahead of its own.
-    ahead = 0 if lead else 1
-    ingest = Ingest(
-        cfg.limits,
-        cfg.ring.max_policy_lag,
-        run.spec,
-        ring,
-        lambda: trainer.policy_version + ahead,
-        run.incarnation,
-        key_names=sorted(keys.allowed.values()) if keys is not None else None,
-        pacer=pacer,
-        resumed=resumed,
-        accept_jpeg=cfg.env.obs_codec == "jpeg",
+    ring, pacer, trainer, ingest = _data_path(
+        run, learner, room, lead=lead, keys=keys, resumed=resumed, after_update=after_update, on_exit=on_trainer_exit
     )
     intake = Intake(ctx, cfg.network, cfg.limits, ingest, room, secure)
     publisher = WeightsPublisher(ctx, cfg.network, cfg.limits, secure)
@@ -143,6 +111,48 @@ def assemble(
         publish=publish,
         actors=make_actors(listen, publish),
     )
+
+
+def _data_path(run: Run, learner: Learner, room: Room, *, lead: bool, keys, resumed, after_update, on_exit):
+    """(ring, pacer, training thread not started, ingest): the path from decoded bytes to the update, none of which
+    needs a socket. The ring tells ``room`` when the trainer frees a slot."""
+    cfg = run.cfg
+    ring = TrajectoryRing(
+        run.spec,
+        cfg.loss.batch_size,
+        cfg.ring.ring_batches,
+        pin_memory=learner.device.type == "cuda",
+        drop_when_full=cfg.ring.when_full == "drop_oldest",
+        on_release=room.freed,
+    )
+    pacer = Pacer.from_config(cfg)
+    trainer = Trainer(
+        learner,
+        ring,
+        max_policy_lag=cfg.ring.max_policy_lag,
+        ingest_only=bool(cfg.run.ingest_only),
+        overlap_copies=bool(cfg.run.overlap_copies),
+        after_update=after_update,
+        on_exit=on_exit,
+        policy_version=resumed["policy_version"] if resumed else 0,
+        updates_per_batch=cfg.loss.updates_per_batch,
+    )
+    # Rank 0 publishes a version once it has made the update; another rank may finish that same update a moment
+    # later (lock step: never more than one behind), so it accepts one version ahead of its own.
+    ahead = 0 if lead else 1
+    ingest = Ingest(
+        cfg.limits,
+        cfg.ring.max_policy_lag,
+        run.spec,
+        ring,
+        lambda: trainer.policy_version + ahead,
+        run.incarnation,
+        key_names=sorted(keys.allowed.values()) if keys is not None else None,
+        pacer=pacer,
+        resumed=resumed,
+        accept_jpeg=cfg.env.obs_codec == "jpeg",
+    )
+    return ring, pacer, trainer, ingest
 
 
 def _authentication(ctx: zmq.Context, keys, closes: Closes):
