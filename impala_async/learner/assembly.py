@@ -73,13 +73,20 @@ def assemble(
     """This rank's parts, whole (the module's steps 1-4). ``keys``: the CURVE keys (None without); ``after_update``
     and ``on_trainer_exit``: the training thread's callbacks (trainer.py); ``make_actors(listen, publish)``: train's
     local actors for the addresses bound, or None. Runs inside the event loop that will serve."""
-    cfg, lead = run.cfg, ranks.rank == 0
+    cfg = run.cfg
     ctx = zmq.Context(1)
     closes("zeromq context", ctx.term)
     authenticator, secure = _authentication(ctx, keys, closes)
     room = Room(asyncio.get_running_loop())
     ring, pacer, trainer, ingest = _data_path(
-        run, learner, room, lead=lead, keys=keys, resumed=resumed, after_update=after_update, on_exit=on_trainer_exit
+        run,
+        learner,
+        room,
+        ahead=ranks.versions_ahead,
+        keys=keys,
+        resumed=resumed,
+        after_update=after_update,
+        on_exit=on_trainer_exit,
     )
     intake = Intake(ctx, cfg.network, cfg.limits, ingest, room, secure)
     publisher = WeightsPublisher(ctx, cfg.network, cfg.limits, secure)
@@ -90,10 +97,9 @@ def assemble(
 
     closes("sockets", close_sockets)
     listen = _bind(intake, cfg.network.listen, "--listen")
-    # Only rank 0 publishes; another rank's publisher is bound where nobody can reach it.
-    publish = _bind(publisher, cfg.network.publish if lead else "inproc://unpublished-weights", "--publish")
-    addresses = ranks.share_address(listen)
-    if lead:  # every rank's trajectory address, in rank order (docs/protocol.md, Transport)
+    publish = _bind(publisher, ranks.publish_address(cfg.network.publish), "--publish")
+    addresses = ranks.share_address(listen)  # rank 0: every rank's trajectory address, in rank order
+    if addresses is not None:  # for actors (docs/protocol.md, Transport)
         run.info["trajectory_addresses"] = addresses
     return Parts(
         run,
@@ -113,7 +119,7 @@ def assemble(
     )
 
 
-def _data_path(run: Run, learner: Learner, room: Room, *, lead: bool, keys, resumed, after_update, on_exit):
+def _data_path(run: Run, learner: Learner, room: Room, *, ahead: int, keys, resumed, after_update, on_exit):
     """(ring, pacer, training thread not started, ingest): the path from decoded bytes to the update, none of which
     needs a socket. The ring tells ``room`` when the trainer frees a slot."""
     cfg = run.cfg
@@ -137,9 +143,7 @@ def _data_path(run: Run, learner: Learner, room: Room, *, lead: bool, keys, resu
         policy_version=resumed["policy_version"] if resumed else 0,
         updates_per_batch=cfg.loss.updates_per_batch,
     )
-    # Rank 0 publishes a version once it has made the update; another rank may finish that same update a moment
-    # later (lock step: never more than one behind), so it accepts one version ahead of its own.
-    ahead = 0 if lead else 1
+    # ``ahead``: the versions past its own a trajectory may carry on this rank (ranks.py, versions_ahead)
     ingest = Ingest(
         cfg.limits,
         cfg.ring.max_policy_lag,

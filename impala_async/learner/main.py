@@ -239,7 +239,7 @@ def _serve(layered: Layered, spec, env_backend: str, device, keys, group, start_
         config_layers=layered.layers,
     )
     code = uvloop.run(server.serve())
-    if code and server.lead:
+    if code and group.lead:
         say(f"impala-async: stopped: {server.exit_reason}")
     return group.exit(code)
 

@@ -205,6 +205,12 @@ class SingleRank:
     def distribute(self, learner) -> None:
         pass
 
+    lead = True  # rank 0: publishes, reports, checkpoints
+    versions_ahead = 0  # of its own policy version, what a trajectory may carry (RankGroup: lock step)
+
+    def publish_address(self, address: str) -> str:
+        return address
+
     def share_address(self, endpoint: str) -> list[str]:
         return [endpoint]
 
@@ -325,8 +331,24 @@ class RankGroup:
                 )
             time.sleep(0.05)
 
+    @property
+    def lead(self) -> bool:
+        """Rank 0: publishes, reports, checkpoints."""
+        return self.rank == 0
+
+    @property
+    def versions_ahead(self) -> int:
+        """Of its own policy version, what a trajectory may carry: rank 0 publishes a version once it has made the
+        update; another rank may finish that same update a moment later (lock step: never more than one behind)."""
+        return 0 if self.rank == 0 else 1
+
+    def publish_address(self, address: str) -> str:
+        """Where this rank's weights socket binds: rank 0 alone publishes; another rank's publisher is bound where
+        nobody can reach it."""
+        return address if self.rank == 0 else "inproc://unpublished-weights"
+
     def share_address(self, endpoint: str) -> list[str] | None:
-        """Publish the trajectory address this rank bound; rank 0 gets every rank's, in rank order."""
+        """Publish the trajectory address this rank bound; rank 0 gets every rank's, in rank order (None elsewhere)."""
         self.store.set(f"address/{self.rank}", endpoint)
         if self.rank:
             return None

@@ -60,7 +60,6 @@ class LearnerServer:
         the addresses bound, or None. ``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP
         authentication."""
         self.cfg, self.learner, self.keys, self.ranks, self.resumed = cfg, learner, keys, ranks, resumed
-        self.lead = ranks.rank == 0
         # A learner run's incarnation travels with the weights, and trajectories acted with them carry it back, so
         # that messages acted under an earlier run's weights (after a restart) are told apart from forged ones.
         self.run = run_of(
@@ -129,7 +128,7 @@ class LearnerServer:
             make_actors=self._make_actors,
         )
         self._start_signal_handlers()
-        if self.lead:
+        if self.ranks.lead:
             self.outputs = assemble_outputs(p, fresh=not self.resumed, closes=self._closes)
             self._start_http(self.outputs)
             weights = self.outputs.publication.encode()
