@@ -13,9 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
-from torch import nn
-
-from .nets import ACTIVATIONS, ConvActorCritic, MLPActorCritic, ResNetActorCritic
+from .nets import ACTIVATIONS, ActorCritic, ConvActorCritic, MLPActorCritic, ResNetActorCritic
 from .spec import TrajectorySpec
 
 NATURE_CONV_LAYERS = ((32, 8, 4, 0), (64, 4, 2, 0), (64, 3, 1, 0))  # (out_channels, kernel, stride, padding)
@@ -263,7 +261,7 @@ def resnet_output_shape(obs_shape, stages) -> tuple[int, int, int]:
     return c, h, w
 
 
-def build_model(spec: TrajectorySpec, cfg: ModelConfig) -> nn.Module:
+def build_model(spec: TrajectorySpec, cfg: ModelConfig) -> ActorCritic:
     """The network ``cfg`` (resolved against ``spec``) describes, for ``spec``'s observations and actions (see
     :mod:`impala_async.core.nets` for what it computes and the calls it answers)."""
     cfg = cfg.resolved(spec)

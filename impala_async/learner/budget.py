@@ -49,7 +49,7 @@ def memory_refusal(cfg: LearnerConfig, spec: TrajectorySpec, usable_bytes: int) 
     )
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

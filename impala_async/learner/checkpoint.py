@@ -64,6 +64,7 @@ class CheckpointWriter:
         """Write ``state`` atomically; raises OSError (or whatever torch.save raises) if it could not."""
         if self._next is None:
             self._prepare()  # raises while no descriptor is free
+        assert self._next is not None
         fd, name = self._next
         self._next = None
         final = checkpoint_path(self.directory, env_steps)

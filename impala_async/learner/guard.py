@@ -319,6 +319,7 @@ class ConnectionGuard:
         nothing waiting, or took a whole message, within the last ``max_stall_s``. If not, it is cut (``stalled``).
         Bounds how long a subscriber can pin old weights, which the heartbeats do not (its PINGs keep arriving)."""
         out = self.outbound
+        assert out is not None  # only the weights socket's guard (with an Outbound) checks what subscribers take
         need = max(1, out.message_bytes())
         if acked - conn.mark_acked >= need or tcp_bytes_queued(conn.fd) == 0:
             conn.mark_at, conn.mark_acked, conn.stalled_s = now, acked, 0.0
@@ -336,6 +337,7 @@ class ConnectionGuard:
         messages, counting those cut in the last ``HELD_CUT_FREEING_S`` as freed already; versions they share with
         others may need more cuts later."""
         out, freeing = self.outbound, self._freeing
+        assert out is not None  # only the weights socket's guard (with an Outbound) bounds held weights
         while freeing and now - freeing[0] > HELD_CUT_FREEING_S:
             freeing.popleft()
         per_subscriber = out.messages_per_subscriber * max(1, out.message_bytes())
@@ -375,14 +377,15 @@ def _explain(reason: str, conn: _Conn, g: ConnectionGuard) -> str:
             f"all connections held more than {g.max_unread_bytes_total} unread bytes; this one the most "
             f"({conn.unread_bytes})"
         )
-    if reason == "stalled":
+    out = g.outbound  # the weights socket's guard: the two reasons below are its own
+    if reason == "stalled" and out is not None:
         return (
             f"it took {conn.taken_bytes} bytes in {conn.stalled_s:.1f} s with weights waiting, less than one weights "
-            f"message ({g.outbound.message_bytes()} bytes) in {g.outbound.max_stall_s:g} s (max_subscriber_stall_s)"
+            f"message ({out.message_bytes()} bytes) in {out.max_stall_s:g} s (max_subscriber_stall_s)"
         )
-    if reason == "held_weights":
+    if reason == "held_weights" and out is not None:
         return (
-            f"the weights held for subscribers exceed {g.outbound.max_held_bytes} bytes (max_weights_held_bytes); "
+            f"the weights held for subscribers exceed {out.max_held_bytes} bytes (max_weights_held_bytes); "
             f"this one had taken no whole weights message for the longest ({conn.stalled_s:.1f} s)"
         )
     return f"{conn.messages} messages on a connection that may send {g.max_messages}"

@@ -9,6 +9,7 @@ finite) and stop after it (rank 0 asked).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -79,7 +80,7 @@ class Learner:
         self._rho_edges = torch.tensor(RHO_BIN_EDGES[1:], device=device)
         # The network's forward pass over a batch: the model's unroll, or with several learner ranks the same through
         # DistributedDataParallel (distribute()), which all-reduces the gradients during backward.
-        self.forward = self.model.unroll
+        self.forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.model.unroll
         self.applying = False  # True while the optimizer changes the weights (a checkpoint then would be torn)
         self.apply_lock = threading.Lock()  # held while it does, and while a checkpoint reads them
         self.stop_requested = False  # rank 0: make the next update every rank's last (ranks.py)

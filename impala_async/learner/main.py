@@ -96,7 +96,10 @@ def probe_environment(cfg: LearnerConfig):
             frame_stack=env.frame_stack if env_cfg.frame_dedup else 0,
             core_state_size=cfg.model.lstm_size if cfg.model.use_lstm else 0,
         )
-        image_max = float(np.max(env.single_observation_space.high)) if spec.obs_dtype == "uint8" else None
+        space = env.single_observation_space  # uint8 observations come in a Box
+        image_max = (
+            float(np.max(space.high)) if spec.obs_dtype == "uint8" and isinstance(space, gym.spaces.Box) else None
+        )
         backend = env.backend
     finally:
         env.close()
@@ -288,7 +291,7 @@ def _local_actors(cfg: LearnerConfig, keys, group):
         keys = group.share_local_actor_key(keys)  # rank 0 made train's local actors a key: admit it too
     if cfg.local_actors <= 0 or group.rank:
         return (lambda listen, publish: None), keys
-    local_dir = ""
+    local_dir: Path | str = ""
     if keys is not None:  # local actors get a key pair of their own, admitted for this run only
         local_dir, keys = auth.local_actor_keys(keys, Path(cfg.run.logdir) / ".local-actor-keys")
         keys = group.share_local_actor_key(keys)

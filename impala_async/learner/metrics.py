@@ -134,7 +134,7 @@ def record(
 ) -> dict:
     """One metrics.jsonl record: figures of ``cur``, rates over the time since ``prev``, the updates' statistics
     (``stats``) and policy lags ((min, mean, max) per trained batch, ``lags``)."""
-    rec = {"wall_s": round(wall_s, 3)}
+    rec: dict = {"wall_s": round(wall_s, 3)}
     rec.update({k: cur[k] for k in COPIED})
     rec.update(_lag(lags))
     rec.update(_rates(cur, prev))
@@ -194,7 +194,7 @@ def _stages(cur: Snapshot, prev: Snapshot, batch_size: int) -> dict:
 
 def _losses(stats: list[dict]) -> dict:
     stats = [st for st in stats if not st["skipped"]]  # a skipped update's losses are not finite
-    out = {name: float(np.mean([st[name] for st in stats])) if stats else None for name in LOSS_FIGURES}
+    out: dict = {name: float(np.mean([st[name] for st in stats])) if stats else None for name in LOSS_FIGURES}
     out["rho_hist"] = np.sum([st["rho_hist"] for st in stats], axis=0).tolist() if stats else None
     out["rho_hist_edges"] = list(RHO_BIN_EDGES)
     return out

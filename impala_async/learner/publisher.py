@@ -164,6 +164,7 @@ class WeightsPublisher:
         return max(0.001, wait)
 
     def _resend(self, now: float) -> None:
+        assert self.latest is not None  # re-sends are due only once something was published
         self._send(self.latest)
         self.resends += 1
         self._last_resend = now

@@ -354,10 +354,12 @@ class RankGroup:
             return None
         keys = [f"address/{r}" for r in range(self.world)]
         self._wait_for(keys, self.cfg.ranks.rank_start_timeout_s, "their trajectory sockets")
-        addresses = [rankstore.checked_address(self.store.get(k)) for k in keys]
-        for r, address in enumerate(addresses):
+        addresses = []
+        for r, k in enumerate(keys):
+            address = rankstore.checked_address(self.store.get(k))
             if address is None:  # actors would be told to connect to it
                 raise SystemExit(f"impala-async: learner rank {r} shared a malformed trajectory address in the store")
+            addresses.append(address)
         return addresses
 
     def share_local_actor_key(self, keys):
@@ -391,6 +393,8 @@ class RankGroup:
             self.watcher.announce(reason, code)
 
     def explain(self, error: BaseException) -> tuple[str, int]:
+        if self.watcher is None:  # the training thread failed before the watch started
+            return f"training failed: {error!r}", exitcodes.ERROR
         return self.watcher.explain(error)
 
     # -------------------------------------------------------------------------------------------- shutdown

@@ -46,7 +46,7 @@ def load_newest(directory: str | Path, max_bytes: int) -> tuple[dict, Path] | No
     """The newest checkpoint in ``directory`` that loads and validates (the others set aside), as (state, path), with
     the path also under ``RESUMED_FROM`` in the state; None if there is none."""
     found = checkpoint.load_latest(
-        directory,
+        Path(directory),
         max_bytes=max_bytes,
         validate=functools.partial(checkpoint.validate_learner_state, max_bytes=max_bytes),
         quarantine=True,

@@ -41,6 +41,8 @@ log = logging.getLogger("impala_async.learner.server")
 
 
 class LearnerServer:
+    _loop: asyncio.AbstractEventLoop  # the serving loop, from serve() on
+
     def __init__(
         self,
         cfg: LearnerConfig,
@@ -76,14 +78,12 @@ class LearnerServer:
         self.outputs: Outputs | None = None  # rank 0's, likewise
         self.exit_code, self.exit_reason = 0, ""
         self._closers: list[tuple[str, Callable]] = []
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = asyncio.Event()  # set once a stop is requested (bound to the serving loop at its first use)
         self._signals = 0
 
     # ------------------------------------------------------------------------------------------------- lifecycle
     async def serve(self) -> int:
         self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
         try:
             self._startup()
         except StartupError as e:  # one line (the server's caller prints the reason), not a traceback
@@ -94,9 +94,15 @@ class LearnerServer:
             await self._shutdown()
         return self.exit_code
 
+    @property
+    def _p(self) -> Parts:
+        """The parts (startup has assembled them by the time anything else runs)."""
+        assert self.parts is not None, "the parts are used before startup assembled them"
+        return self.parts
+
     def stopping(self) -> bool:
         """Whether shutdown has begun (read by /healthz from its own thread)."""
-        return self._stop is not None and self._stop.is_set()
+        return self._stop.is_set()
 
     def request_stop(self, reason: str, code: int = 0) -> None:
         """Stop the run (event loop only; other threads: :meth:`request_stop_threadsafe`)."""
@@ -147,20 +153,20 @@ class LearnerServer:
     def _start_signal_handlers(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._on_signal, sig)
-        self._loop.add_signal_handler(signal.SIGUSR1, tasks.dump_state, self._loop, self.parts.state_summary)
+        self._loop.add_signal_handler(signal.SIGUSR1, tasks.dump_state, self._loop, self._p.state_summary)
         self._closes("signal handlers", self._remove_signal_handlers)
 
     def _start_http(self, outputs: Outputs) -> None:
         http = prom.start(
             self.cfg.observe,
-            view=lambda: self.parts.prometheus_view(outputs.reports, self._health()[0]),
+            view=lambda: self._p.prometheus_view(outputs.reports, self._health()[0]),
             health=self._health,
         )
         if http is not None:
             self._closes("metrics HTTP server", http.close)
 
     def _say_listening(self) -> None:
-        p = self.parts
+        p = self._p
         log.info(
             "learner: trajectories in on %s, weights out on %s, logdir %s, device %s%s",
             p.listen,
@@ -177,7 +183,7 @@ class LearnerServer:
         )
 
     async def _main(self) -> None:
-        cfg, p = self.cfg, self.parts
+        cfg, p = self.cfg, self._p
         loops = [
             p.intake.run(self._stop),
             tasks.republish(p.publisher),
@@ -206,7 +212,9 @@ class LearnerServer:
             t.cancel()
         _, stuck = await asyncio.wait(tasks_, timeout=2.0)  # bounded: shutdown must go on regardless
         if stuck:
-            log.error("tasks that did not end when cancelled: %s", [t.get_coro().__qualname__ for t in stuck])
+            log.error(
+                "tasks that did not end when cancelled: %s", [getattr(t.get_coro(), "__qualname__", t) for t in stuck]
+            )
         stop.cancel()
 
     def _on_signal(self, sig: int) -> None:
@@ -253,7 +261,7 @@ class LearnerServer:
     async def _stop_training(self) -> None:
         """Stop the training thread (intake is stopped already: the main loop has ended), then, if the weights are
         whole, the final checkpoint; then the final report."""
-        p, cfg = self.parts, self.cfg
+        p, cfg = self._p, self.cfg
         # With several ranks every one stops after the same update (ranks.py), which needs a batch on each: intake
         # goes on till then.
         trained = asyncio.Event()
@@ -278,16 +286,16 @@ class LearnerServer:
             out.reports.report()
 
     async def _stop_actors(self) -> None:
-        await self._in_thread(self.parts.actors.stop, max(1.0, self.cfg.run.shutdown_timeout_s / 2))
+        await self._in_thread(self._p.actors.stop, max(1.0, self.cfg.run.shutdown_timeout_s / 2))
 
     async def _finish_ranks(self) -> None:
-        await self._in_thread(self.ranks.finish, self.parts.trainer, self.learner, self.cfg)
+        await self._in_thread(self.ranks.finish, self._p.trainer, self.learner, self.cfg)
 
     # ------------------------------------------------------------------------------- training-thread callbacks
     def _after_update(self, update: Update | None) -> bool:
         """After each batch (training thread; ``update`` None in ingest-only mode): record it, feed flow control,
         publish and checkpoint when due. True to stop training."""
-        p, cfg = self.parts, self.cfg
+        p, cfg = self._p, self.cfg
         if update is None:
             return False
         p.updates.add(update)
@@ -305,4 +313,4 @@ class LearnerServer:
 
     def _health(self) -> tuple[bool, str]:
         """/healthz (the metrics HTTP thread)."""
-        return self.parts.health(self.stopping(), self.exit_reason)
+        return self._p.health(self.stopping(), self.exit_reason)

@@ -23,7 +23,7 @@ from .learn import SWITCH_KEYS, Learner, model_config
 
 MAX_COUNT = 1 << 63  # counters stay below: they travel as int64
 # key -> accepted type of a learner checkpoint (checkpoint.learner_state); "config_layers" is optional (older ones).
-STATE_TYPES = {
+STATE_TYPES: dict[str, type | tuple[type, ...]] = {
     "learner": dict,
     "policy_version": int,
     "env_steps": int,
@@ -35,7 +35,12 @@ STATE_TYPES = {
     "spec": dict,
     "torch_rng": torch.Tensor,
 }
-LEARNER_TYPES = {"model": dict, "optimizer": dict, "env_steps_trained": int, "updates": int}
+LEARNER_TYPES: dict[str, type | tuple[type, ...]] = {
+    "model": dict,
+    "optimizer": dict,
+    "env_steps_trained": int,
+    "updates": int,
+}
 COUNTERS = ("policy_version", "env_steps", "episodes")
 SPEC_INTS = ("num_actions", "unroll_length", "frame_stack", "core_state_size")
 MAX_SPEC_INT = 1 << 31  # a dimension, an action count, an unroll length

@@ -105,7 +105,7 @@ async def probe_loop_lag(histogram: Histogram) -> None:
         histogram.add(max(0.0, time.monotonic() - t0 - LOOP_LAG_PROBE_S))
 
 
-async def every(interval_s: float, call: Callable[[], None]) -> None:
+async def every(interval_s: float, call: Callable[[], object]) -> None:
     while True:
         await asyncio.sleep(interval_s)
         call()

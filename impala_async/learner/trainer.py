@@ -115,7 +115,7 @@ class Trainer:
 
     def _finish_copy(self, staged: Staged) -> None:
         """Wait for the copy (if any), account its time, release the ring slot."""
-        if staged.copied is not None:
+        if staged.copied is not None and staged.started is not None:  # both recorded, on CUDA
             staged.copied.synchronize()  # the slot may be refilled only once its copy is complete
             self.stage_s["h2d"] += staged.started.elapsed_time(staged.copied) / 1000.0
         self.ring.release(staged.batch)
@@ -131,7 +131,11 @@ class Trainer:
                         continue
                 # Start the next batch's copy now so that it overlaps this batch's update.
                 upcoming = self._next(0.0) if self.cuda and self.overlap else None
-                update = self._release_all(staged) if self.ingest_only else self._train(staged)
+                update: Update | None = None
+                if self.ingest_only:
+                    self._release_all(staged)
+                else:
+                    update = self._train(staged)
                 staged = upcoming
                 if self._after_update(update):
                     break

@@ -70,7 +70,7 @@ class CollapseWatch:
         out = []
         now, steps = float(rec["wall_s"]), int(rec["learner_steps"])
         entropy, far = rec.get("entropy"), rec.get("rho_far_frac")
-        if _finite(entropy):
+        if entropy is not None and _finite(entropy):
             self._recent_entropy.append(entropy)
             self._entropy.append((steps, entropy))
             while self._entropy and self._entropy[0][0] < steps - self.window_updates:
@@ -78,7 +78,7 @@ class CollapseWatch:
             text = self._entropy_cliff(steps, rec)
             if text and self._due("entropy", now):
                 out.append(text)
-        if _finite(far):
+        if far is not None and _finite(far):
             self._recent_rho.append(far)
             if (
                 self.rho_far_threshold > 0
