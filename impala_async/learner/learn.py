@@ -162,11 +162,8 @@ class Learner:
         statistics; ``stats["skipped"]``: the loss or the gradient was not finite and the weights were left unchanged;
         ``stats["last"]``: every rank stops after this update (ranks.py). Values from the wire enter the loss clipped
         into their documented ranges (``max_abs_*``); ``stats["inputs_clipped"]`` counts them."""
-        x = loss.inputs(batch, self.spec, self.hp, self.model.recurrent)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.hp.precision == "bf16"):
-            logits, values = self.forward(x.obs, x.core_state, x.starts)  # [T+1, B, A], [T+1, B]
         entropy_cost, lr = self.entropy_cost(), self.learning_rate()
-        total, metrics = loss.impala_loss(logits, values, x, self.hp, entropy_cost, self._rho_edges)
+        x, total, metrics = self._loss(batch, entropy_cost)
         skipped, last, grad_norm = self._apply(total, lr, batch_steps=x.rewards.numel() if count_steps else 0)
         scalars = torch.stack([*(metrics[k] for k in STAT_NAMES), grad_norm.float(), x.clipped.float()]).tolist()
         stats = dict(zip((*STAT_NAMES, "grad_norm", "inputs_clipped"), scalars, strict=True))
@@ -175,6 +172,14 @@ class Learner:
         )
         self.inputs_clipped += int(stats["inputs_clipped"])
         return stats
+
+    def _loss(self, batch: dict[str, torch.Tensor], entropy_cost: float):
+        """(inputs, total loss, metrics) of the network on a ring batch: the pure loss of loss.py."""
+        x = loss.inputs(batch, self.spec, self.hp, self.model.recurrent)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.hp.precision == "bf16"):
+            logits, values = self.forward(x.obs, x.core_state, x.starts)  # [T+1, B, A], [T+1, B]
+        total, metrics = loss.impala_loss(logits, values, x, self.hp, entropy_cost, self._rho_edges)
+        return x, total, metrics
 
     def warm_up(self) -> None:
         """On CUDA, one forward and backward pass on a batch of zeros, the weights and the optimizer untouched: the
@@ -190,10 +195,7 @@ class Learner:
         """A forward and backward pass on a batch of zeros ``[B, ...]`` that changes nothing (:meth:`warm_up`)."""
         shapes = {f.name: ((self.hp.batch_size, *f.shape), f.dtype) for f in self.spec.fields}
         batch = {name: torch.from_numpy(np.zeros(*s)).to(self.device) for name, s in shapes.items()}  # [B, ...]
-        x = loss.inputs(batch, self.spec, self.hp, self.model.recurrent)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.hp.precision == "bf16"):
-            logits, values = self.forward(x.obs, x.core_state, x.starts)
-        total, _ = loss.impala_loss(logits, values, x, self.hp, self.entropy_cost(), self._rho_edges)
+        _, total, _ = self._loss(batch, self.entropy_cost())
         total.backward()
         self.optimizer.zero_grad(set_to_none=True)
 

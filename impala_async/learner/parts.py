@@ -81,12 +81,20 @@ class Parts:
         publish: str,
         actors,
     ):
-        self.run, self.cfg, self.spec, self.learner, self.ranks = run, run.cfg, run.spec, learner, ranks
+        self.run, self.learner, self.ranks = run, learner, ranks
         self.ctx, self.authenticator, self.ring, self.pacer, self.trainer = ctx, authenticator, ring, pacer, trainer
         self.ingest, self.intake, self.publisher, self.actors = ingest, intake, publisher, actors
         self.listen, self.publish = listen, publish  # the addresses bound
         self.updates = UpdateLog()  # the training thread's updates, for the next report
         self.loop_lag_s = Histogram()  # the event loop's lateness, this report interval
+
+    @property
+    def cfg(self) -> LearnerConfig:
+        return self.run.cfg
+
+    @property
+    def spec(self) -> TrajectorySpec:
+        return self.run.spec
 
     def sources(self) -> list[Callable[[], dict]]:
         """Every part's counters (counters.py), this rank's (rank 0's outputs add theirs to its reports)."""
