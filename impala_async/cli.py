@@ -297,7 +297,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    args.argv = argv  # learner ranks > 0 run the same command line (learner/ranks.py)
+    args.argv = argv  # learner ranks > 0 run the same command line (learner/ranks/)
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,

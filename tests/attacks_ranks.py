@@ -1,4 +1,4 @@
-"""Attacks on the learner ranks' rendezvous store (learner/ranks.py, learner/rankwatch.py): issue 15, class 6.
+"""Attacks on the learner ranks' rendezvous store (learner/ranks/): issue 15, class 6.
 
 The ranks share a TCPStore on a loopback port (rank 0 hosts it; under torchrun the agent does). Any local process can
 connect to it: these attacks are such a process. They find the store's port where a local process of the same user
@@ -50,7 +50,7 @@ MALFORMED_STOPS = (
 
 def prefixes(token: str = "") -> list[str]:
     """Where the attacks write: the legacy prefix, and under each token known (``token``: several, comma-separated;
-    ranks.py's key layout)."""
+    learner/ranks/'s key layout)."""
     return [LEGACY_PREFIX] + [f"{LEGACY_PREFIX}/{t}" for t in token.split(",") if t]
 
 

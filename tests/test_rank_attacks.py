@@ -1,4 +1,4 @@
-"""The learner ranks' rendezvous store as an attack surface (issue 15, class 6; learner/ranks.py, rankwatch.py).
+"""The learner ranks' rendezvous store as an attack surface (issue 15, class 6; learner/ranks/).
 
 - Values read from the store are parsed, and one of any other shape is ignored and counted by reason: a real store
   on loopback, a real watch thread of rank 0, every malformed heartbeat and stop (the thread ended, or the learner's
@@ -29,7 +29,7 @@ from procutil import stop, tail, wait_for
 from impala_async.config import LearnerConfig
 from impala_async.learner import counters
 from impala_async.learner.ranks import RankGroup
-from impala_async.learner.rankwatch import RankWatch
+from impala_async.learner.ranks.watch import RankWatch
 from impala_async.ops import exitcodes
 
 TOKEN = "test-token-0123456789abcdef"
@@ -89,7 +89,7 @@ def test_malformed_store_values_are_ignored_counted_and_never_reach_the_sums():
 
 
 def test_the_parsers_refuse_each_malformed_shape():
-    from impala_async.learner.rankwatch import parse_beat, parse_stop
+    from impala_async.learner.ranks.watch import parse_beat, parse_stop
 
     good = {"seq": 1, **dict.fromkeys(counters.SUMMED, 7)}
     assert parse_beat(json.dumps({**good, "extra": "ignored"})) == good
@@ -105,7 +105,7 @@ def test_the_parsers_refuse_each_malformed_shape():
 
 
 def test_startup_values_from_the_store_are_checked():
-    from impala_async.learner.rankstore import checked_address, checked_key, checked_shared
+    from impala_async.learner.ranks.store import checked_address, checked_key, checked_shared
 
     shared = {"config": {}, "layers": {}, "spec": {}, "env_backend": "gymnasium", "incarnation": 5}
     assert checked_shared(json.dumps(shared).encode()) == shared

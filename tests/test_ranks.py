@@ -1,4 +1,4 @@
-"""Several learner ranks (learner/ranks.py, README "Several learner ranks"): torch.distributed (gloo here), one
+"""Several learner ranks (learner/ranks/, README "Several learner ranks"): torch.distributed (gloo here), one
 trajectory socket and ring per rank, gradients averaged in lock step, rank 0 alone publishing and checkpointing.
 
 - The rank addresses, the actor's connections to every rank (each once) and the configuration checks.

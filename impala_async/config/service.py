@@ -246,7 +246,7 @@ class Observe(MetricsHttp):
 
 @dataclass(frozen=True)
 class Ranks(Section):
-    """Several learner ranks (torch.distributed; learner/ranks.py, README "Several learner ranks")."""
+    """Several learner ranks (torch.distributed; learner/ranks/, README "Several learner ranks")."""
 
     NAME = "ranks"
     TITLE = "learner ranks"

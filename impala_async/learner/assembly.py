@@ -143,7 +143,7 @@ def _data_path(run: Run, learner: Learner, room: Room, *, ahead: int, keys, resu
         policy_version=resumed["policy_version"] if resumed else 0,
         updates_per_batch=cfg.loss.updates_per_batch,
     )
-    # ``ahead``: the versions past its own a trajectory may carry on this rank (ranks.py, versions_ahead)
+    # ``ahead``: the versions past its own a trajectory may carry on this rank (learner/ranks/group.py, versions_ahead)
     ingest = Ingest(
         cfg.limits,
         cfg.ring.max_policy_lag,

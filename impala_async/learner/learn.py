@@ -83,7 +83,7 @@ class Learner:
         self.forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self.model.unroll
         self.applying = False  # True while the optimizer changes the weights (a checkpoint then would be torn)
         self.apply_lock = threading.Lock()  # held while it does, and while a checkpoint reads them
-        self.stop_requested = False  # rank 0: make the next update every rank's last (ranks.py)
+        self.stop_requested = False  # rank 0: make the next update every rank's last (learner/ranks/)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         hp, params = self.hp, self.model.parameters()
@@ -160,7 +160,7 @@ class Learner:
         """One update from a ring batch of ``B`` trajectories (loss.inputs says its layout); ``count_steps=False``
         for a batch's second and later updates (``updates_per_batch``): its env steps are trained once. Returns
         statistics; ``stats["skipped"]``: the loss or the gradient was not finite and the weights were left unchanged;
-        ``stats["last"]``: every rank stops after this update (ranks.py). Values from the wire enter the loss clipped
+        ``stats["last"]``: every rank stops after this update (learner/ranks/). Values from the wire enter the loss clipped
         into their documented ranges (``max_abs_*``); ``stats["inputs_clipped"]`` counts them."""
         entropy_cost, lr = self.entropy_cost(), self.learning_rate()
         x, total, metrics = self._loss(batch, entropy_cost)

@@ -14,7 +14,6 @@ import math
 
 from ..config import Layered, LearnerConfig, layers
 from ..config.resolve import Probe, addresses, fit_connections, resolve
-from ..ops.console import say
 from . import ranks
 
 log = logging.getLogger("impala_async.learner.main")
@@ -50,9 +49,7 @@ def configure(
             )
         except ValueError as e:  # its configuration is valid (validated): with the flags and file, or a permission
             raise ValueError(f"resuming {path}: {e}") from None
-    world = ranks.torchrun_world(layered.cfg.ranks.learner_ranks)
-    if world is not None and world != layered.cfg.ranks.learner_ranks:
-        layered = layered.over(layers.COMMAND, {"learner_ranks": world})
+    layered = ranks.with_torchrun_world(layered)
     layered.check()
     return layered, state
 
@@ -138,56 +135,64 @@ def run(
     layered: Layered, resumed: dict | None, *, command: str, default_listen: str, argv=(), start_monotonic: float = 0.0
 ) -> int:
     """Serve one learner process until the run ends; its exit code (README, Exit codes)."""
-    from ..core.spec import TrajectorySpec
-
-    group = ranks.join_worker(layered.cfg.ranks.rank_start_timeout_s)
-    if group is not None:  # a learner rank > 0: rank 0's resolved configuration, with this rank's own address
-        shared, cfg = group.shared, group.cfg
-        layered = Layered(cfg, shared["layers"]).over(
-            layers.RESOLVED, {"listen": ranks.rank_address(cfg.network.listen, group.rank)}
-        )
-        spec, env_backend = TrajectorySpec.from_dict(shared["spec"]), shared["env_backend"]
-    try:  # before the heavy imports: a refusal to start is immediate
-        keys = refuse(layered.cfg, default_listen)
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"impala-async: {e}") from None
-    import numpy as np
-    import torch
-
+    group, layered, spec, env_backend, (keys, device) = ranks.join(
+        layered,
+        resumed,
+        list(argv),
+        prepare=lambda cfg: _prepare(cfg, default_listen),
+        resolve=lambda layered: _resolve(layered, default_listen),
+    )
     cfg = layered.cfg
-    device = resolve_device(cfg.run.device)
-    torch.manual_seed(cfg.run.seed)
-    np.random.seed(cfg.run.seed)
-    if group is None:
-        spec, probe, env_backend = probe_environment(cfg)
-        layered = resolve(layered, default_listen=default_listen, probe=probe)
-        cfg = layered.cfg
-        refuse_oversized(cfg, spec)
-        if cfg.local_actors > 0 and cfg.actors.device != "cpu":
-            resolve_device(cfg.actors.device, "--actor-device")  # no CUDA device: refused before any actor starts
-        group = ranks.join_lead(
-            cfg,
-            {"config": cfg.flat(), "layers": layered.layers, "spec": spec.to_dict(), "env_backend": env_backend},
-            resumed,
-            list(argv),
-        )
     if device.type == "cpu":
+        import torch
+
         torch.set_num_threads(cfg.run.learner_threads)  # resolved: config/resolve.py
         log.info("learner: the update runs on %d torch thread(s) (--learner-threads)", torch.get_num_threads())
-    layered = fit_connections(layered, cfg.local_actors if group.rank == 0 else 0)
-    cfg = layered.cfg
-    lock = None
-    if group.rank == 0:
-        lock = lock_logdir(cfg.run.logdir)  # before anything is written there
-        log.info("%s", layered.describe())
-        for warning in cfg.warnings():
-            log.warning("%s", warning)
-        write_config(layered, command, lock)
+    layered = fit_connections(layered, group.local_actors(cfg.local_actors))
+    lock = group.lead_only(lambda: _own_logdir(layered, command))
     try:
         return _serve(layered, spec, env_backend, device, keys, group, start_monotonic)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _prepare(cfg: LearnerConfig, default_listen: str):
+    """(the CURVE keys, the learner's device), the random generators seeded: what every rank does first with the
+    configuration it runs. A refusal to start (:func:`refuse`) comes before the heavy imports."""
+    try:
+        keys = refuse(cfg, default_listen)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"impala-async: {e}") from None
+    import numpy as np
+    import torch
+
+    device = resolve_device(cfg.run.device)
+    torch.manual_seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+    return keys, device
+
+
+def _resolve(layered: Layered, default_listen: str):
+    """(the layers resolved once, the trajectory spec, the env backend): rank 0's (or a learner of one's) work before
+    the ranks join, from one environment built as the actors build it; SystemExit for what this machine cannot run."""
+    spec, probe, env_backend = probe_environment(layered.cfg)
+    layered = resolve(layered, default_listen=default_listen, probe=probe)
+    cfg = layered.cfg
+    refuse_oversized(cfg, spec)
+    if cfg.local_actors > 0 and cfg.actors.device != "cpu":
+        resolve_device(cfg.actors.device, "--actor-device")  # no CUDA device: refused before any actor starts
+    return layered, spec, env_backend
+
+
+def _own_logdir(layered: Layered, command: str):
+    """Rank 0's hold on the run directory: its lock (held till the end), the configuration said and written."""
+    lock = lock_logdir(layered.cfg.run.logdir)  # before anything is written there
+    log.info("%s", layered.describe())
+    for warning in layered.cfg.warnings():
+        log.warning("%s", warning)
+    write_config(layered, command, lock)
+    return lock
 
 
 def write_config(layered: Layered, command: str, lock) -> None:
@@ -224,7 +229,7 @@ def _serve(layered: Layered, spec, env_backend: str, device, keys, group, start_
     cfg = layered.cfg
     device = group.start(device)  # several ranks: the process group, and rank 0's checkpoint state on every rank
     learner, resumed = resume.restore(
-        lambda: build_learner(cfg, spec, device), cfg, spec, group.resumed, group.rank, group.world
+        lambda: build_learner(cfg, spec, device), cfg, spec, group.resumed, group.bad_checkpoint
     )
     learner.warm_up()  # CUDA's lazy start before any actor can send
     group.distribute(learner)  # several ranks: gradients averaged over them
@@ -242,9 +247,7 @@ def _serve(layered: Layered, spec, env_backend: str, device, keys, group, start_
         config_layers=layered.layers,
     )
     code = uvloop.run(server.serve())
-    if code and group.lead:
-        say(f"impala-async: stopped: {server.exit_reason}")
-    return group.exit(code)
+    return group.exit(code, server.exit_reason)
 
 
 def build_learner(cfg: LearnerConfig, spec, device):
@@ -287,14 +290,14 @@ def _local_actors(cfg: LearnerConfig, keys, group):
     from ..actors.procs import ActorProcesses, actor_argv
     from ..ops import auth
 
-    if group.rank and keys is not None and cfg.local_actors > 0:
-        keys = group.share_local_actor_key(keys)  # rank 0 made train's local actors a key: admit it too
-    if cfg.local_actors <= 0 or group.rank:
-        return (lambda listen, publish: None), keys
     local_dir: Path | str = ""
-    if keys is not None:  # local actors get a key pair of their own, admitted for this run only
-        local_dir, keys = auth.local_actor_keys(keys, Path(cfg.run.logdir) / ".local-actor-keys")
-        keys = group.share_local_actor_key(keys)
+    if keys is not None and cfg.local_actors > 0:  # local actors get a key pair of their own, for this run only
+        local_dir, keys = group.local_actor_keys(
+            keys, lambda keys: auth.local_actor_keys(keys, Path(cfg.run.logdir) / ".local-actor-keys")
+        )
+    count = group.local_actors(cfg.local_actors)
+    if count <= 0:
+        return (lambda listen, publish: None), keys
     options = cfg.actors.options()
 
     def make_actors(listen: str, publish: str) -> ActorProcesses:
@@ -303,6 +306,6 @@ def _local_actors(cfg: LearnerConfig, keys, group):
                 listen, publish, i, fd, seed=cfg.run.seed, options=options, curve_keys=str(local_dir or "")
             )
 
-        return ActorProcesses.with_options(argv, cfg.local_actors, options)
+        return ActorProcesses.with_options(argv, count, options)
 
     return make_actors, keys

@@ -25,7 +25,7 @@ from ..ops.console import say
 from .counters import Snapshot
 from .guard import CUT_REASONS
 from .histograms import RHO_BIN_EDGES, Totals
-from .rankwatch import REJECTED_RANK_VALUES
+from .ranks.watch import REJECTED_RANK_VALUES
 
 log = logging.getLogger("impala_async.learner.metrics")
 watch_log = logging.getLogger("impala_async.learner.watch")  # the collapse warnings are the watch's

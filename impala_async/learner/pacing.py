@@ -30,7 +30,7 @@ anything was consumed (the first seconds) the pace is 0: no pacing. A rate, not 
 its own messages, so there is no deadlock, no per-actor state in the weights message (whose size stays independent
 of the fleet), and actors that ignore the field (older or foreign ones) are held back only by ``when_full``.
 
-With ``ranks`` learner ranks (learner/ranks.py) rank 0 alone computes the pace, from its own figures: the ranks train
+With ``ranks`` learner ranks (learner/ranks/) rank 0 alone computes the pace, from its own figures: the ranks train
 in lock step, one batch each per update, and actors spread their messages over the ranks round-robin, so the whole
 learner consumes ``ranks`` times what rank 0 does, and each rank holds about as many waiting as rank 0. So the rate
 and each sender's rate are multiplied by ``ranks`` (an actor's messages reach rank 0 only every ``ranks``-th time,

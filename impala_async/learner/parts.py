@@ -125,7 +125,7 @@ class Parts:
 
     def snapshot(self, more: list[Callable[[], dict]] | None = None) -> counters.Snapshot:
         """The whole learner's figures (rank 0: with every rank's), with ``more`` sources added."""
-        return counters.take(self.sources() + (more or []), self.ranks.peers if self.ranks.lead else None)
+        return counters.take(self.sources() + (more or []), self.ranks.peers)
 
     def reset_interval(self) -> None:
         """After a report: the interval histograms start again."""

@@ -24,7 +24,7 @@ from ..ops import httpd
 from .counters import Snapshot
 from .guard import CUT_REASONS
 from .histograms import LAG_BUCKETS, RHO_BUCKETS
-from .rankwatch import REJECT_REASONS as RANK_REJECT_REASONS
+from .ranks.watch import REJECT_REASONS as RANK_REJECT_REASONS
 
 P = "impala_async_"
 # Cumulative figures of the snapshot exported as counters: key -> (name without _total, help).

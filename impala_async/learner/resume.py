@@ -56,10 +56,12 @@ def load_newest(directory: str | Path, max_bytes: int) -> tuple[dict, Path] | No
     return found
 
 
-def restore(build: Callable, cfg: LearnerConfig, spec, resumed: dict | None, rank: int = 0, world: int = 1):
+def restore(build: Callable, cfg: LearnerConfig, spec, resumed: dict | None, bad_checkpoint: Callable | None = None):
     """(the learner ``build()`` gives with the resumed state restored into it, the state restored: ``resumed`` or a
-    previous good checkpoint's). SystemExit (one line) where no checkpoint fits (module docstring). ``rank`` of
-    ``world`` learner ranks: rank 0 sets a bad checkpoint aside; with several, none looks for another."""
+    previous good checkpoint's). SystemExit (one line) where no checkpoint fits (module docstring).
+    ``bad_checkpoint(path, reason)``: what this learner's rank does with a checkpoint that failed to restore (the
+    rank's own, learner/ranks/group.py: a learner of one sets it aside and looks for the previous; learner ranks,
+    which all took it already, set it aside on rank 0 and stop); by default, set it aside."""
     failed = None  # (path, spec) of the checkpoint just set aside for a spec this environment does not give
     while True:
         learner = build()  # a fresh network and optimizer each time: a failed restore may have half-loaded one
@@ -77,7 +79,7 @@ def restore(build: Callable, cfg: LearnerConfig, spec, resumed: dict | None, ran
             return learner, resumed
         except Exception as e:
             failed = (resumed.get(RESUMED_FROM, ""), resumed["spec"]) if isinstance(e, SpecMismatch) else None
-            resumed = _after_failure(cfg, resumed, e, rank, world)
+            resumed = _after_failure(cfg, resumed, e, bad_checkpoint or set_aside)
 
 
 class SpecMismatch(ValueError):
@@ -103,7 +105,13 @@ def changed(cfg: LearnerConfig, saved: dict) -> list[str]:
     return [name for name in SHAPING if now[name] != before[name]]
 
 
-def _after_failure(cfg: LearnerConfig, resumed: dict, error: Exception, rank: int, world: int) -> dict:
+def set_aside(path: str, reason: str = "") -> None:
+    """A checkpoint that failed to restore (``reason``) set aside as ``NAME.bad``; nothing for an empty path."""
+    if path:
+        checkpoint.set_aside(Path(path))
+
+
+def _after_failure(cfg: LearnerConfig, resumed: dict, error: Exception, bad_checkpoint: Callable) -> dict:
     """The state to try next after ``resumed`` failed to restore with ``error``; SystemExit where there is none."""
     path = resumed.get(RESUMED_FROM, "")
     reason = f"{type(error).__name__}: {str(error)[:300]}"
@@ -114,13 +122,7 @@ def _after_failure(cfg: LearnerConfig, resumed: dict, error: Exception, rank: in
             f"{', '.join(differ)}: resume with the checkpoint's values"
         )
     log.warning("checkpoint %s failed to restore: %s", path, reason)
-    if path and rank == 0:
-        checkpoint.set_aside(Path(path))
-    if world > 1:
-        raise SystemExit(
-            f"impala-async: checkpoint {path} failed to restore ({reason}); set aside: start the run again to resume "
-            f"from the previous checkpoint (learner ranks took this one already)"
-        )
+    bad_checkpoint(path, reason)
     directory = Path(path).parent if path else Path(cfg.run.logdir)
     try:
         found = load_newest(directory, cfg.checkpoints.max_checkpoint_bytes)

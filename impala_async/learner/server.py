@@ -5,7 +5,7 @@ context and the ZAP authenticator, the data path, both sockets bound, train's lo
 outputs: checkpoints, the weights publication, TensorBoard, the reports), each part's close registered as it is made,
 then starts, in this order: signal handlers; (rank 0) the metrics HTTP server (/metrics, /healthz: 503 until the
 receive loop runs, and again from the start of the shutdown) and the first weights published; the learner ranks'
-watch (ranks.py; a single rank has none); (rank 0 of train) the local actors; the training thread
+watch (learner/ranks/; a single rank has none); (rank 0 of train) the local actors; the training thread
 (:class:`~.trainer.Trainer`). Shutdown closes everything in the reverse order, only what exists.
 
 The main loop runs the receive loop and the periodic tasks (tasks.py) until a stop is requested. The training
@@ -57,7 +57,7 @@ class LearnerServer:
         keys=None,
         config_layers: dict | None = None,
     ):
-        """``ranks``: this learner's rank, a ``SingleRank`` or one of a ``RankGroup`` (ranks.py); only rank 0 (the lead)
+        """``ranks``: this learner's rank, a ``SingleRank`` or one of a ``RankGroup`` (learner/ranks/); only rank 0 (the lead)
         publishes, reports and checkpoints. ``make_actors(listen, publish)``: train's local actors (not started) for
         the addresses bound, or None. ``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP
         authentication."""
@@ -262,7 +262,7 @@ class LearnerServer:
         """Stop the training thread (intake is stopped already: the main loop has ended), then, if the weights are
         whole, the final checkpoint; then the final report."""
         p, cfg = self._p, self.cfg
-        # With several ranks every one stops after the same update (ranks.py), which needs a batch on each: intake
+        # With several ranks every one stops after the same update (learner/ranks/), which needs a batch on each: intake
         # goes on till then.
         trained = asyncio.Event()
         intake = asyncio.create_task(p.intake.run(until=trained))
@@ -305,7 +305,7 @@ class LearnerServer:
         if self.learner.env_steps_trained >= cfg.run.total_env_steps:  # with ranks: all after the same update
             self.request_stop_threadsafe("total_env_steps reached", 0)
             return True
-        return update.stats.get("last", False)  # rank 0 flagged this update as every rank's last (ranks.py)
+        return update.stats.get("last", False)  # rank 0 flagged this update as every rank's last (learner/ranks/)
 
     def _on_trainer_exit(self, error: BaseException | None) -> None:
         if error is not None:

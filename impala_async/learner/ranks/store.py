@@ -5,7 +5,7 @@ under a random token (``impala-async/<restart>/<token>/``): rank 0 draws one (``
 the ranks it starts over an inherited pipe, never in their environment (IMPALA_ASYNC_RANK_TOKEN_FD names the pipe's
 descriptor). Under torchrun there is no such channel: the operator sets the same IMPALA_ASYNC_RANK_TOKEN for every
 rank (else the keys have no token and a warning says so). Every value read from the store is checked before use
-(here: the configuration, the addresses, the local actors' key; rankwatch.py: beats and stops): a rank that holds
+(here: the configuration, the addresses, the local actors' key; watch.py: beats and stops): a rank that holds
 the token but writes nonsense is refused with one line at startup, and ignored (counted, logged) afterwards.
 """
 
@@ -20,7 +20,7 @@ import socket
 import struct
 from datetime import timedelta
 
-from ..core.address import parse_tcp
+from ...core.address import parse_tcp
 
 log = logging.getLogger("impala_async.learner.ranks")
 

@@ -1,4 +1,4 @@
-"""What learner ranks (ranks.py) tell each other besides their gradients, through the rendezvous store.
+"""What learner ranks (learner/ranks/) tell each other besides their gradients, through the rendezvous store.
 
 Every rank's watch thread, every ``rank_heartbeat_interval_s``:
 - writes ``beat/<r>``: a sequence number and this rank's figures (rank 0 sums them into its snapshots: counters.py);
@@ -10,7 +10,7 @@ Every rank's watch thread, every ``rank_heartbeat_interval_s``:
 A store that stops answering means the rank hosting it (rank 0, or torchrun's agent) is gone. No asyncio here: the
 thread hands stops to the server (which passes them to its event loop).
 
-Values read from the store are another rank's bytes (or anyone's who holds the store's token, ranks.py): each is
+Values read from the store are another rank's bytes (or anyone's who holds the store's token, store.py): each is
 parsed by :func:`parse_beat` or :func:`parse_stop`, and one of any other shape is ignored, counted by reason
 (:data:`REJECT_REASONS`, ``RankWatch.rejected``) and logged (once per reason every ``REJECT_LOG_INTERVAL_S``). So
 the figures rank 0 sums (counters.take, in every report and checkpoint) are ints in range, a malformed stop stops
@@ -26,10 +26,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..ops import exitcodes
-from .counters import SUMMED, heartbeat_figures
+from ...ops import exitcodes
+from ..counters import SUMMED, heartbeat_figures
 
-log = logging.getLogger("impala_async.learner.rankwatch")
+log = logging.getLogger("impala_async.learner.ranks.watch")
 
 # Bounds on what a peer's values may hold (a rank's own never come near them): a beat is about 500 bytes.
 MAX_STORE_VALUE_BYTES = 64 << 10  # larger values are not parsed
@@ -240,7 +240,7 @@ class RankWatch:
     def explain(self, error: BaseException) -> tuple[str, int]:
         """Why the training thread failed: a peer that died or stopped (found by this thread, given a moment), or the
         failed collective itself, or this rank's own error."""
-        from .learn import CollectiveError
+        from ..learn import CollectiveError
 
         if not isinstance(error, CollectiveError):
             return f"training failed: {error!r}", 1

@@ -1,190 +1,29 @@
-"""Several learner ranks: torch.distributed between learner processes (README, "Several learner ranks").
-
-Each rank is a whole learner server (its own trajectory socket, ring, ingest, receive loop and training thread) that
-trains on its own batches; the gradients are averaged over the ranks by DistributedDataParallel (learn.py,
-``Learner.distribute``: gloo on CPU, NCCL on CUDA with rank r on cuda:LOCAL_RANK), so every rank holds the same weights
-after every update. An update takes one batch from every rank, in lock step. Rank 0 alone publishes weights, writes
-metrics.jsonl and checkpoints, and starts train's local actors.
-
-Started two ways, one code path: ``--learner-ranks N`` makes this process rank 0, which hosts the rendezvous store (a
-TCPStore on a free loopback port) and starts ranks 1..N-1 as children running the same command line with RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (each in its own session, dying with it); under ``torchrun``
-every process finds those variables set already. Besides the gradients, the ranks share, in that store:
-- ``config``: rank 0's configuration (JSON), so that every rank runs the same one (a checkpoint's, with --resume), and
-  the learner's incarnation (docs/protocol.md, "Learner restarts"); the checkpoint state itself goes to the others by
-  a broadcast (broadcast_object_list): the same weights and optimizer state on every rank;
-- ``ready/<r>``, ``address/<r>``: rank r joined; the trajectory address it bound (rank 0 sends them all in
-  ``run.trajectory_addresses``);
-- ``beat/<r>`` and ``stop``: heartbeats with counters, and the first stop of any rank (rankwatch.py).
-
-The store is reached under a token, and every value read from it is checked (rankstore.py).
-
-Stopping. A normal stop ends every rank after the same update: rank 0 marks the next update (its gradients carry a
-flag through the same all-reduce, learn.py), and every rank stops after it. A rank that dies or fails stops the others:
-its peers' all-reduce fails (gloo notices a closed connection at once; a hung peer after rank_collective_timeout_s),
-rank 0 sees its child exit or its heartbeat stop, and rank 0 writes a checkpoint of the last whole update and exits
-with exitcodes.RANK_FAILED (6, rankwatch.py).
-"""
+"""A learner's rank: :class:`SingleRank` (a learner of one) and :class:`RankGroup` (one of several), one interface, so
+that the server and its callers ask no question about ranks (the package's docstring tells the whole story)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
-from ..actors.procs import die_with_parent
-from ..core.address import port_offset
-from ..ops import exitcodes
-from . import rankstore
-from .rankwatch import RankWatch
+from ...ops import exitcodes
+from ...ops.console import say
+from . import store as rankstore
+from .watch import RankWatch
 
 log = logging.getLogger("impala_async.learner.ranks")
 
-_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-PARENT_ENV = "IMPALA_ASYNC_RANK_PARENT"  # set by rank 0 for the ranks it starts: their parent's pid
 
+def _set_aside(path: str, reason: str) -> None:
+    from ..resume import set_aside  # torch: only now, for a resume's checkpoint
 
-def launched() -> tuple[int, int, int] | None:
-    """(rank, world size, local rank) when torchrun or rank 0 started this process (the environment says so)."""
-    if not all(os.environ.get(k) for k in _ENV):
-        return None
-    rank = int(os.environ["RANK"])
-    return rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank))
-
-
-def env_rank() -> int:
-    got = launched()
-    return got[0] if got else 0
-
-
-def rank_address(listen: str, rank: int) -> str:
-    """Where rank ``rank`` binds its trajectory socket, from the learner's --listen (rank 0's): tcp on the same host,
-    port P + 1 + rank (P + 1 is the weights port), so N ranks take ports P .. P + N; a wildcard port stays one (each
-    rank gets its own); ipc://PATH becomes ipc://PATH.rank<r>."""
-    if rank == 0:
-        return listen
-    if listen.startswith("ipc://"):
-        return f"{listen}.rank{rank}"
-    return port_offset(listen, 1 + rank, f"rank {rank}'s trajectory address from --listen")
-
-
-def _log_format(rank: int) -> None:
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(
-            logging.Formatter(f"%(asctime)s %(levelname).1s rank{rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
-        )
-
-
-def torchrun_world(learner_ranks: int) -> int | None:
-    """Under torchrun: WORLD_SIZE (the number of ranks; SystemExit if --learner-ranks says otherwise). Else None."""
-    got = launched()
-    if got is None:
-        return None
-    world = got[1]
-    if learner_ranks not in (1, world):
-        raise SystemExit(
-            f"impala-async: --learner-ranks {learner_ranks} but WORLD_SIZE={world} (torchrun gives the "
-            f"number of ranks: leave --learner-ranks out)"
-        )
-    return world
-
-
-def join_worker(rank_start_timeout_s: float):
-    """Rank r > 0: join rank 0's store and take what rank 0 shared (``group.shared``: its resolved configuration and
-    their layers, the trajectory spec, the learner's incarnation). None in any other process."""
-    got = launched()
-    if got is None or got[0] == 0:
-        return None
-    rank, world, local = got
-    die_with_parent(int(os.environ.get(PARENT_ENV, "0") or 0))  # a rank started by rank 0 ends with it
-    _log_format(rank)
-    token = rankstore.worker_token()
-    try:
-        raw, store = rankstore.connect(rank, world, rank_start_timeout_s, token)
-        value = store.get("config")  # waits for rank 0 (up to rank_start_timeout_s)
-    except Exception as e:
-        hint = f" (the same {rankstore.TOKEN_ENV} on every rank?)" if token else ""
-        raise SystemExit(
-            f"impala-async: learner rank {rank}: no configuration from rank 0 at "
-            f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}{hint}: {e}"
-        ) from None
-    shared = rankstore.checked_shared(value)
-    if isinstance(shared, str):
-        raise SystemExit(f"impala-async: learner rank {rank}: rank 0's configuration in the ranks' store: {shared}")
-    from ..config import from_flat
-
-    cfg = from_flat(shared["config"], "rank 0's configuration")
-    return RankGroup(rank, world, local, raw, store, cfg=cfg, shared=shared, incarnation=shared["incarnation"])
-
-
-def join_lead(cfg, shared: dict, resumed: dict | None, argv: list[str]):
-    """Rank 0: under torchrun join its rendezvous; with --learner-ranks N > 1 host one and start ranks 1..N-1 (the same
-    command line). Shares ``shared`` (the resolved configuration, its layers, the spec) and the learner's incarnation.
-    A learner of one rank gets a :class:`SingleRank`."""
-    from ..core import wire
-
-    world = cfg.ranks.learner_ranks
-    incarnation = wire.new_incarnation()  # one for the whole learner: trajectories carry it to any rank
-    if world == 1:
-        return SingleRank(incarnation, resumed)
-    got = launched()
-    _log_format(0)
-    token = rankstore.lead_token(hosting=got is None)
-    whole = dict(cfg=cfg, resumed=resumed, incarnation=incarnation)
-    if got is not None:  # torchrun (torchrun_world made learner_ranks its WORLD_SIZE)
-        raw, store = rankstore.connect(0, world, cfg.ranks.rank_start_timeout_s, token)
-        group = RankGroup(0, world, got[2], raw, store, **whole)
-    else:
-        listener, raw = rankstore.host_store(world, cfg.ranks.rank_start_timeout_s)
-        children = _start_ranks(world, listener.getsockname()[1], argv, token)
-        group = RankGroup(0, world, 0, raw, rankstore.prefix(raw, token), children, listener=listener, **whole)
-    group.store.set("config", json.dumps({**shared, "incarnation": incarnation}))
-    return group
-
-
-def _start_ranks(world: int, port: int, argv: list[str], token: str) -> list[subprocess.Popen]:
-    """Ranks 1..world-1 as children running the same command line, each in its own session (a Ctrl-C in the terminal
-    reaches rank 0 only, which stops the others in order) and dying with rank 0. Each reads ``token`` from a pipe it
-    inherits (its environment, which /proc shows, does not hold it)."""
-    env = dict(
-        {k: v for k, v in os.environ.items() if k != rankstore.TOKEN_ENV},
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        PYTHONUNBUFFERED="1",
-        **{PARENT_ENV: str(os.getpid())},
-    )
-    if "GLOO_SOCKET_IFNAME" not in env and "lo" in {name for _, name in socket.if_nameindex()}:
-        os.environ["GLOO_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's pairs on loopback too
-    children = []
-    for r in range(1, world):
-        read_fd, write_fd = os.pipe()  # the token fits the pipe's buffer: written whole before the child starts
-        try:
-            try:
-                os.write(write_fd, token.encode("ascii"))
-            finally:
-                os.close(write_fd)
-            children.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "impala_async", *argv],
-                    stdin=subprocess.DEVNULL,
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r), rankstore.TOKEN_FD_ENV: str(read_fd)},
-                    start_new_session=True,
-                    pass_fds=(read_fd,),
-                )
-            )
-        finally:
-            os.close(read_fd)
-        log.info("learner rank %d: pid %d", r, children[-1].pid)
-    return children
+    set_aside(path, reason)
 
 
 class SingleRank:
@@ -197,7 +36,7 @@ class SingleRank:
 
     def __init__(self, incarnation: int, resumed: dict | None = None):
         self.incarnation, self.resumed = incarnation, resumed
-        self.cfg = None  # as RankGroup's (main.run sets the final configuration); read by nothing here
+        self.cfg = None  # as RankGroup's; read by nothing here
 
     def start(self, device):
         return device
@@ -214,8 +53,17 @@ class SingleRank:
     def share_address(self, endpoint: str) -> list[str]:
         return [endpoint]
 
-    def share_local_actor_key(self, keys):
-        return keys
+    def local_actor_keys(self, keys, make):
+        return make(keys)
+
+    def local_actors(self, count: int) -> int:
+        return count
+
+    def lead_only(self, make):
+        return make()
+
+    def bad_checkpoint(self, path: str, reason: str) -> None:
+        _set_aside(path, reason)
 
     def watch(self, *, figures, on_stop) -> None:
         pass
@@ -242,7 +90,9 @@ class SingleRank:
     def kill_children(self) -> None:
         pass
 
-    def exit(self, code: int) -> int:
+    def exit(self, code: int, reason: str = "") -> int:
+        if code and reason:
+            say(f"impala-async: stopped: {reason}")
         return code
 
 
@@ -362,15 +212,35 @@ class RankGroup:
             addresses.append(address)
         return addresses
 
-    def share_local_actor_key(self, keys):
-        """Under CURVE, train's local actors get a key pair of rank 0's making: every rank admits its public key."""
+    def local_actor_keys(self, keys, make):
+        """Under CURVE, train's local actors get a key pair of rank 0's making (``make(keys)`` -> (their key
+        directory, ``keys`` with theirs admitted)), and every rank admits its public key; ("", keys) on the others."""
         if self.rank == 0:
+            directory, keys = make(keys)
             self.store.set("local_actor_key", next(k for k, name in keys.allowed.items() if name == "local"))
-            return keys
+            return directory, keys
         public = self.store.get("local_actor_key")
         if not rankstore.checked_key(public):  # admitted by this rank's CURVE: only a well-formed public key
             raise SystemExit("impala-async: rank 0 shared a malformed local actors' key in the learner ranks' store")
-        return dataclasses.replace(keys, allowed={**keys.allowed, public: "local"})
+        return "", dataclasses.replace(keys, allowed={**keys.allowed, public: "local"})
+
+    def local_actors(self, count: int) -> int:
+        """How many of train's local actors this rank starts: rank 0 all ``count``, the others none."""
+        return count if self.rank == 0 else 0
+
+    def lead_only(self, make):
+        """``make()`` on rank 0 (what it alone does: the run directory's lock, config.json); None on the others."""
+        return make() if self.rank == 0 else None
+
+    def bad_checkpoint(self, path: str, reason: str) -> None:
+        """A resumed checkpoint failed to restore, every rank holding it already: rank 0 sets it aside and every rank
+        stops (SystemExit), so that the next start takes the previous one on every rank alike."""
+        if self.rank == 0:
+            _set_aside(path, reason)
+        raise SystemExit(
+            f"impala-async: checkpoint {path} failed to restore ({reason}); set aside: start the run again to resume "
+            f"from the previous checkpoint (learner ranks took this one already)"
+        )
 
     # ------------------------------------------------------------------------------------------- the watch
     def watch(self, *, figures, on_stop) -> None:
@@ -380,11 +250,12 @@ class RankGroup:
         self.watcher.start()
 
     def peers(self) -> list[tuple[dict, bool]]:
-        """Rank 0: every other rank's latest figures and whether it is alive (counters.take's ``peers``)."""
-        return self.watcher.peers() if self.watcher is not None else []
+        """Rank 0: every other rank's latest figures and whether it is alive (counters.take's ``peers``); [] on the
+        others (their snapshots are their own)."""
+        return self.watcher.peers() if self.watcher is not None and self.rank == 0 else []
 
     def counters(self) -> dict:
-        """The store's values this rank ignored, by reason (rankwatch.py); none before the watch starts."""
+        """The store's values this rank ignored, by reason (watch.py); none before the watch starts."""
         return self.watcher.counters() if self.watcher is not None else {}
 
     def announce(self, reason: str, code: int) -> None:
@@ -463,8 +334,11 @@ class RankGroup:
         os.replace(tmp, path)
         log.info("rank %d: state after %d updates written to %s", self.rank, learner.updates, path)
 
-    def exit(self, code: int) -> int:
-        """The process's exit code; a training thread stuck in a collective cannot be joined: leave without it."""
+    def exit(self, code: int, reason: str = "") -> int:
+        """The process's exit code (rank 0 says why a run stopped with one); a training thread stuck in a collective
+        cannot be joined: leave without it."""
+        if code and reason and self.rank == 0:
+            say(f"impala-async: stopped: {reason}")
         if self.stuck:
             sys.stdout.flush()
             sys.stderr.flush()
