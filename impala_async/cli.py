@@ -59,7 +59,7 @@ def load_learner_config(args):
     flags = {k: v for k, v in vars(args).items() if k in INDEX}  # exactly the flags typed (their default: SUPPRESS)
 
     def load_checkpoint(directory: str, max_bytes: int):
-        from .learner import resume  # torch: only for a resume
+        from .learner.checkpoint import resume  # torch: only for a resume
 
         return resume.load_newest(directory, max_bytes)  # checked whole; those that fail are set aside
 

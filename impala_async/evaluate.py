@@ -16,7 +16,6 @@ With ``--video DIR``: one video per episode (the first ``--video-episodes``; imp
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -54,24 +53,12 @@ class Episode:
 
 
 def load_state(path: str | Path, max_bytes: int) -> tuple[dict, Path]:
-    """The learner checkpoint at ``path`` (a file, or a run directory's newest good one), validated as a resume
-    validates it (checkpoint.validate_learner_state) but for the optimizer's state, which eval never reads. Files that
-    fail are skipped, never renamed: eval only reads a run's directory."""
-    path = Path(path)
-    validate = functools.partial(checkpoint.validate_learner_state, max_bytes=max_bytes, optimizer=False)
-    if path.is_dir():
-        found = checkpoint.load_latest(path, max_bytes=max_bytes, validate=validate)
-        if found is None:
-            raise EvalError(f"no usable checkpoint in {path} (see the warnings above)")
-        return found
-    if not path.exists():
-        raise EvalError(f"{path}: no such checkpoint file or run directory")
+    """The learner checkpoint at ``path`` (a file, or a run directory's newest good one), as the checkpoints wing reads
+    it for a reader (checkpoint.read: validated but for the optimizer's state, bad files skipped, never renamed)."""
     try:
-        state = checkpoint.load(path, max_bytes)
-        validate(state)
-    except Exception as e:
-        raise EvalError(f"{path} is no usable learner checkpoint: {type(e).__name__}: {str(e)[:300]}") from None
-    return state, path
+        return checkpoint.read(path, max_bytes)
+    except ValueError as e:
+        raise EvalError(str(e)) from None
 
 
 def run_config(state: dict, allow_env_module: int = 0) -> LearnerConfig:

@@ -209,7 +209,7 @@ def test_restore_sets_aside_a_checkpoint_whose_state_does_not_load_and_takes_the
     configuration the checkpoint's own, that is the file's fault. Changing a field that shapes the network is the
     run's: refused in one line, the file kept."""
     from impala_async.core.spec import TrajectorySpec
-    from impala_async.learner import resume
+    from impala_async.learner.checkpoint import resume
     from impala_async.learner.main import build_learner
 
     run = tmp_path / "run"

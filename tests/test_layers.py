@@ -25,7 +25,8 @@ def configured(argv: list[str]):
 
 def fake_checkpoint(monkeypatch, tmp_path, **values):
     saved = dict(LearnerConfig().flat(), **values)
-    monkeypatch.setattr(checkpoint, "load_latest", lambda *a, **k: ({"config": saved}, tmp_path / "checkpoint.pt"))
+    found = ({"config": saved}, tmp_path / "checkpoint.pt")
+    monkeypatch.setattr(checkpoint.files, "load_latest", lambda *a, **k: found)
 
 
 def test_an_abbreviated_flag_wins_over_the_checkpoint(monkeypatch, tmp_path):
@@ -44,7 +45,7 @@ def test_a_resume_resolves_again_what_resolution_filled(monkeypatch, tmp_path):
     them with their layer, and a resume on another machine resolves them again instead of taking them."""
     saved = dict(LearnerConfig().flat(), num_actors=63, batch_size=7)
     state = {"config": saved, "config_layers": {"num_actors": "resolved", "batch_size": "flag"}}
-    monkeypatch.setattr(checkpoint, "load_latest", lambda *a, **k: (state, tmp_path / "checkpoint.pt"))
+    monkeypatch.setattr(checkpoint.files, "load_latest", lambda *a, **k: (state, tmp_path / "checkpoint.pt"))
     layered, _ = configured(["train", "--resume", str(tmp_path)])
     assert layered.cfg.actors.num_actors == -1 and layered.cfg.loss.batch_size == 7
 

@@ -181,7 +181,7 @@ def test_the_fused_update_computes_what_the_per_parameter_one_does(optimizer):
 def test_a_checkpoint_of_the_unfused_optimizer_resumes_fused(optimizer, switch):
     """Checkpoints written before the optimizer ran fused (or foreach) hold None there: they pass resume's checks, and
     the resumed optimizer runs fused with the saved moments (the next update equals the saving learner's)."""
-    from impala_async.learner.statecheck import optimizer_fits
+    from impala_async.learner.checkpoint.statecheck import optimizer_fits
 
     spec = _spec("CartPole-v1")
     cfg = LearnerConfig.of(optimizer=optimizer)

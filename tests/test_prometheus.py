@@ -327,7 +327,8 @@ def test_a_resumed_run_serves_where_this_command_says(monkeypatch, tmp_path):
         return cli.load_learner_config(cli.build_parser().parse_args(argv))[0].cfg
 
     saved = dict(config.LearnerConfig().flat(), metrics_port=1111, metrics_host="0.0.0.0", batch_size=7)
-    monkeypatch.setattr(checkpoint, "load_latest", lambda *a, **k: ({"config": saved}, tmp_path / "checkpoint.pt"))
+    found = ({"config": saved}, tmp_path / "checkpoint.pt")
+    monkeypatch.setattr(checkpoint.files, "load_latest", lambda *a, **k: found)
     cfg = configured(["train", "--resume", str(tmp_path)])
     defaults = config.LearnerConfig().observe  # this process's defaults (from its environment at import)
     assert (

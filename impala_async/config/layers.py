@@ -137,7 +137,7 @@ def load(
 def stack(flags: dict, from_file: dict, file: str, resumed: dict, resumed_layers: dict, command: dict) -> Layered:
     """The defaults, the preset, what a resume takes of ``resumed`` (:func:`_resumed`), the file's values, the flags
     and the command's, in that order. With only ``resumed``: the configuration a checkpoint would resume with, which
-    is what validating a checkpoint checks (learner/statecheck.py)."""
+    is what validating a checkpoint checks (learner/checkpoint/statecheck.py)."""
     resumed_values = _resumed(resumed, resumed_layers, {**from_file, **flags})
     on_top = {**resumed_values, **from_file, **flags}
     env_id = on_top.get("env", LearnerConfig().env.env)

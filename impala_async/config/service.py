@@ -165,7 +165,7 @@ class Limits(Section):
 
 @dataclass(frozen=True)
 class Checkpoints(Section):
-    """Checkpoints: how often, how many kept, and what a resume accepts (learner/checkpoint.py)."""
+    """Checkpoints: how often, how many kept, and what a resume accepts (learner/checkpoint/)."""
 
     NAME = "checkpoints"
     TITLE = "checkpoints"

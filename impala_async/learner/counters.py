@@ -4,7 +4,7 @@ console line, TensorBoard (through the record), Prometheus /metrics, and the oth
 Each part of the learner counts its own and answers ``counters()`` (a flat dict under the names metrics.jsonl uses);
 :func:`figures` merges them and derives the few figures that combine parts (a trajectory is dropped in the ring or in
 ingest). With several learner ranks rank 0's snapshot also holds the sums of :data:`SUMMED` over every rank (the others
-as of their latest heartbeat, learner/ranks/) and each rank's :data:`PER_RANK` figures; with one rank the sums are its own.
+as of their latest heartbeat, ranks/) and each rank's :data:`PER_RANK` figures; with one rank the sums are its own.
 Counters are read from their owners' threads as they run: each is one read of an int or a float, or a copy of a
 container made in one C call.
 """

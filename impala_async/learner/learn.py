@@ -160,7 +160,7 @@ class Learner:
         """One update from a ring batch of ``B`` trajectories (loss.inputs says its layout); ``count_steps=False``
         for a batch's second and later updates (``updates_per_batch``): its env steps are trained once. Returns
         statistics; ``stats["skipped"]``: the loss or the gradient was not finite and the weights were left unchanged;
-        ``stats["last"]``: every rank stops after this update (learner/ranks/). Values from the wire enter the loss clipped
+        ``stats["last"]``: every rank stops after this update (ranks/). Values from the wire enter the loss clipped
         into their documented ranges (``max_abs_*``); ``stats["inputs_clipped"]`` counts them."""
         entropy_cost, lr = self.entropy_cost(), self.learning_rate()
         x, total, metrics = self._loss(batch, entropy_cost)

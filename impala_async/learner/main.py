@@ -34,7 +34,7 @@ def configure(
         found = load_checkpoint(resume, layered.cfg.checkpoints.max_checkpoint_bytes)
         if found is None:
             raise SystemExit(f"impala-async: no usable checkpoint in {resume} (see the warnings above)")
-        from .resume import RESUMED_FROM  # torch: only now, for a checkpoint loaded already
+        from .checkpoint.resume import RESUMED_FROM  # torch: only now, for a checkpoint loaded already
 
         state, path = found
         state[RESUMED_FROM] = str(path)
@@ -223,7 +223,7 @@ def lock_logdir(logdir: str):
 def _serve(layered: Layered, spec, env_backend: str, device, keys, group, start_monotonic: float) -> int:
     import uvloop
 
-    from . import resume
+    from .checkpoint import resume
     from .server import LearnerServer
 
     cfg = layered.cfg

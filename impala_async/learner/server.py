@@ -57,7 +57,7 @@ class LearnerServer:
         keys=None,
         config_layers: dict | None = None,
     ):
-        """``ranks``: this learner's rank, a ``SingleRank`` or one of a ``RankGroup`` (learner/ranks/); only rank 0 (the lead)
+        """``ranks``: this learner's rank, a ``SingleRank`` or one of a ``RankGroup`` (ranks/); only rank 0 (the lead)
         publishes, reports and checkpoints. ``make_actors(listen, publish)``: train's local actors (not started) for
         the addresses bound, or None. ``keys``: an ``auth.LearnerKeys`` to run both sockets under CURVE with ZAP
         authentication."""

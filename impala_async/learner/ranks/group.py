@@ -21,7 +21,7 @@ log = logging.getLogger("impala_async.learner.ranks")
 
 
 def _set_aside(path: str, reason: str) -> None:
-    from ..resume import set_aside  # torch: only now, for a resume's checkpoint
+    from ..checkpoint.resume import set_aside  # torch: only now, for a resume's checkpoint
 
     set_aside(path, reason)
 

@@ -15,11 +15,11 @@ import math
 
 import torch
 
-from ..config import INDEX, LearnerConfig, from_flat, layers
-from ..core.finite import nonfinite
-from ..core.models import build_model
-from ..core.spec import TrajectorySpec
-from .learn import SWITCH_KEYS, Learner, model_config
+from ...config import INDEX, LearnerConfig, from_flat, layers
+from ...core.finite import nonfinite
+from ...core.models import build_model
+from ...core.spec import TrajectorySpec
+from ..learn import SWITCH_KEYS, Learner, model_config
 
 MAX_COUNT = 1 << 63  # counters stay below: they travel as int64
 # key -> accepted type of a learner checkpoint (checkpoint.learner_state); "config_layers" is optional (older ones).

@@ -1,4 +1,4 @@
-"""Loading a file no one vouches for (a checkpoint: learner/checkpoint.py, evaluate.py) at a bounded cost.
+"""Loading a file no one vouches for (a checkpoint: files.py, evaluate.py) at a bounded cost.
 
 Loaded with ``torch.load(weights_only=True)`` (a checkpoint cannot run code), and only after the file passed checks
 that bound what loading it costs: a regular file (a FIFO or a device is never opened) holding a zip archive (torch's

@@ -2,7 +2,7 @@
 good checkpoint tried instead, so that no restart meets the same bad file again.
 
 :func:`load_newest` (``configure`` in learner/main.py) takes the newest checkpoint that passes the file checks and
-validation (checkpoint.load_latest: every field typed and ranged, weights that fit the network the checkpoint's own
+validation (files.load_latest: every field typed and ranged, weights that fit the network the checkpoint's own
 configuration describes); those that fail are set aside on the way. What can still fail is restoring it into the
 learner this run builds (:func:`restore`, from ``_serve``): its spec against the one the environment gives, its
 weights and optimizer state into the network this run's configuration describes. A failure there while every field
@@ -21,8 +21,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config import LearnerConfig, from_flat
-from . import checkpoint
+from ...config import LearnerConfig, from_flat
+from . import files
 
 log = logging.getLogger("impala_async.learner.resume")
 RESUMED_FROM = "resumed_from"  # key of a resumed state: the path of the checkpoint it was loaded from
@@ -45,10 +45,10 @@ SHAPING = (
 def load_newest(directory: str | Path, max_bytes: int) -> tuple[dict, Path] | None:
     """The newest checkpoint in ``directory`` that loads and validates (the others set aside), as (state, path), with
     the path also under ``RESUMED_FROM`` in the state; None if there is none."""
-    found = checkpoint.load_latest(
+    found = files.load_latest(
         Path(directory),
         max_bytes=max_bytes,
-        validate=functools.partial(checkpoint.validate_learner_state, max_bytes=max_bytes),
+        validate=functools.partial(files.validate_learner_state, max_bytes=max_bytes),
         quarantine=True,
     )
     if found is not None:
@@ -68,7 +68,7 @@ def restore(build: Callable, cfg: LearnerConfig, spec, resumed: dict | None, bad
         if resumed is None:
             return learner, None
         if failed is not None and resumed["spec"] == failed[1]:  # refused alike: the environment's doing
-            checkpoint.put_back(Path(failed[0]))
+            files.put_back(Path(failed[0]))
             raise SystemExit(
                 f"impala-async: {resumed.get(RESUMED_FROM)} and {failed[0]} record the trajectory spec {failed[1]}, "
                 f"which this run's environment does not give ({spec.to_dict()}): the environment changed, not the "
@@ -89,7 +89,7 @@ class SpecMismatch(ValueError):
 def restore_into(learner, spec, resumed: dict) -> None:
     """Load a checkpoint's learner state into ``learner``; SpecMismatch where its spec (how frames travel aside) is
     not ``spec``, whatever torch raises where its state does not load."""
-    from ..core.spec import TrajectorySpec
+    from ...core.spec import TrajectorySpec
 
     saved = TrajectorySpec.from_dict(resumed["spec"])
     if dataclasses.replace(saved, frame_stack=0) != dataclasses.replace(spec, frame_stack=0):
@@ -108,7 +108,7 @@ def changed(cfg: LearnerConfig, saved: dict) -> list[str]:
 def set_aside(path: str, reason: str = "") -> None:
     """A checkpoint that failed to restore (``reason``) set aside as ``NAME.bad``; nothing for an empty path."""
     if path:
-        checkpoint.set_aside(Path(path))
+        files.set_aside(Path(path))
 
 
 def _after_failure(cfg: LearnerConfig, resumed: dict, error: Exception, bad_checkpoint: Callable) -> dict:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .safeload import check_archive, check_tree, load  # noqa: F401 (checkpoint.load is the API)
+from .safeload import load
 
-log = logging.getLogger("impala_async.learner.checkpoint")
+log = logging.getLogger("impala_async.learner.checkpoint.files")
 _NAME = re.compile(r"^checkpoint-(\d{12})\.pt$")
 _TMP_PREFIX, _TMP_SUFFIX = ".checkpoint-", ".tmp"
 
@@ -211,7 +211,7 @@ def set_aside(path: Path) -> Path | None:
 
 
 def validate_learner_state(state: dict, max_bytes: int = 4 << 30, optimizer: bool = True) -> None:
-    """Raise ValueError unless ``state`` holds what a learner checkpoint must (learner/statecheck.py): every field
+    """Raise ValueError unless ``state`` holds what a learner checkpoint must (learner/checkpoint/statecheck.py): every field
     typed and ranged, a configuration this version accepts, a network of at most ``max_bytes`` of weights that its
     configuration and spec describe, weights (and with ``optimizer``, optimizer state) that fit it, every float
     tensor finite (a run that resumed from NaN weights would publish them to every actor)."""
