@@ -283,7 +283,7 @@ def _last_metrics(logdir: str | None) -> Callable[[], dict] | None:
         return None
     from pathlib import Path
 
-    from impala_async.learner.metrics import read_metrics
+    from impala_async.learner.reports.metrics import read_metrics
 
     def last() -> dict:
         rows = read_metrics(Path(logdir) / "metrics.jsonl")

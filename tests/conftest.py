@@ -1,4 +1,5 @@
 import os
+import subprocess
 
 import pytest
 import zmq
@@ -27,3 +28,45 @@ def ctx():
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
+
+
+# Tests that start processes carry the ``process`` marker (``pytest -m "not process"`` runs the in-process suite in
+# a fraction of the time): every subprocess.Popen a test starts, in its setup (a module's fixture too) or its body,
+# is counted, and a test that started one unmarked fails, naming the marker. IMPALA_ASYNC_LIST_PROCESS_TESTS=PATH
+# lists such tests in PATH instead of failing them (for marking a new file's tests in one pass).
+_popen_started = [0]
+_POPEN_BEFORE = pytest.StashKey[int]()
+_popen_init = subprocess.Popen.__init__
+
+
+def _counting_popen_init(self, *args, **kwargs):
+    _popen_started[0] += 1
+    _popen_init(self, *args, **kwargs)
+
+
+subprocess.Popen.__init__ = _counting_popen_init  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_POPEN_BEFORE] = _popen_started[0]
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    started = _popen_started[0] - item.stash.get(_POPEN_BEFORE, _popen_started[0])
+    if call.when != "call" or not started or item.get_closest_marker("process") is not None:
+        return
+    listing = os.environ.get("IMPALA_ASYNC_LIST_PROCESS_TESTS")
+    if listing:
+        with open(listing, "a") as f:
+            f.write(f"{item.nodeid}\n")
+    elif report.passed:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} started {started} process(es) without the process marker: add @pytest.mark.process "
+            "(tests/conftest.py)"
+        )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from impala_async.learner import metrics
+from impala_async.learner.reports import metrics
 
 METRICS_FIELDS = (
     "wall_s",

@@ -13,7 +13,7 @@ import pytest
 from helpers import tool
 from procutil import wait_for
 
-from impala_async.learner.metrics import read_metrics
+from impala_async.learner.reports.metrics import read_metrics
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "ab.py"
 ab = tool("ab")

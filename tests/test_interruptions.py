@@ -10,7 +10,7 @@ import pytest
 from procutil import ENDLESS, cli, stop, tail, wait_for
 
 from impala_async.learner import checkpoint
-from impala_async.learner.metrics import MetricsWriter, read_metrics
+from impala_async.learner.reports.metrics import MetricsWriter, read_metrics
 
 SMALL = ENDLESS
 

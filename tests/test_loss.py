@@ -11,7 +11,7 @@ import torch
 
 from impala_async.config import LearnerConfig
 from impala_async.learner import loss
-from impala_async.learner.histograms import RHO_BIN_EDGES
+from impala_async.learner.reports.histograms import RHO_BIN_EDGES
 
 T, B, A = 4, 3, 3
 

@@ -38,11 +38,11 @@ from impala_async.config import LearnerConfig
 from impala_async.core import wire
 from impala_async.core.ring import TrajectoryRing
 from impala_async.core.spec import TrajectorySpec
-from impala_async.learner import counters, metrics
 from impala_async.learner.guard import PER_CONNECTION_OVERHEAD_BYTES, guard_source
-from impala_async.learner.histograms import RHO_BIN_EDGES
 from impala_async.learner.ingest import UNAUTHENTICATED, Ingest
 from impala_async.learner.pacing import Pacer
+from impala_async.learner.reports import counters, metrics
+from impala_async.learner.reports.histograms import RHO_BIN_EDGES
 
 SPEC = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
 INCARNATION = 7

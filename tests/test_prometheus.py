@@ -461,7 +461,7 @@ def test_close_stops_serving(small_server):
 
 
 def test_prometheus_and_metrics_jsonl_agree_under_two_learner_ranks(tmp_path):
-    """Both read the same snapshot per report (learner/counters.py), summed over the ranks: every scrape's
+    """Both read the same snapshot per report (learner/reports/counters.py), summed over the ranks: every scrape's
     env_steps_total and trajectories_received_total are those of one metrics.jsonl record (or of the snapshot before
     the first one), and the records are rank sums that include rank 1's share. (Before, /metrics said rank 0's.)"""
     mport, logdir, log = free_port(), tmp_path / "run", tmp_path / "log"

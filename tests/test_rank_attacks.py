@@ -27,9 +27,9 @@ import attacks_ranks
 from procutil import stop, tail, wait_for
 
 from impala_async.config import LearnerConfig
-from impala_async.learner import counters
 from impala_async.learner.ranks import RankGroup
 from impala_async.learner.ranks.watch import RankWatch
+from impala_async.learner.reports import counters
 from impala_async.ops import exitcodes
 
 TOKEN = "test-token-0123456789abcdef"

@@ -1,4 +1,4 @@
-"""--tensorboard 1 (learner/tboard.py): a real training run's events read back with TensorBoard's own reader, figure
+"""--tensorboard 1 (reports/tboard.py): a real training run's events read back with TensorBoard's own reader, figure
 for figure against its metrics.jsonl."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 from procutil import TINY, cli, finish, read_metrics, tail
 
-from impala_async.learner import metrics, tboard
+from impala_async.learner.reports import metrics, tboard
 
 
 def test_a_run_writes_every_figure_and_the_rho_histogram(tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 from procutil import cli, finish, read_metrics, tail
 
 from impala_async.config import LearnerConfig
-from impala_async.learner.watch import CollapseWatch
+from impala_async.learner.reports.watch import CollapseWatch
 
 KNOBS = ("--clip-rho-threshold", "--entropy-cost", "--learning-rate")
 

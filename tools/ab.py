@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from impala_async.learner.metrics import read_metrics
+from impala_async.learner.reports.metrics import read_metrics
 
 try:
     import tomllib

@@ -195,7 +195,7 @@ def measure(train_flags: list[str], cores: int, min_s: float, checkout: str | No
 
 def run_train(train_flags: list[str], warmup_s: float, seconds: float, checkout: str | None = None) -> dict:
     """The real `train` for warmup_s + seconds: its trained agent steps a second over the last ``seconds``."""
-    from impala_async.learner.metrics import read_metrics
+    from impala_async.learner.reports.metrics import read_metrics
 
     logdir = Path(tempfile.mkdtemp(prefix="ceiling-train-"))
     cmd = [sys.executable, "-m", "impala_async", "train", *train_flags]

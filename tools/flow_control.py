@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from impala_async.learner.metrics import read_metrics
+from impala_async.learner.reports.metrics import read_metrics
 
 STARTUP_TIMEOUT_S = 120.0  # the longest a run may take to its first report of data
 

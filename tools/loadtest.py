@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from impala_async.learner.metrics import read_metrics
+from impala_async.learner.reports.metrics import read_metrics
 
 ENVS = {"cartpole": "CartPole-v1", "atari": "impala_async.actors.envs:PongLike-v0", "ale": "ALE/Pong-v5"}
 CODECS = ("lz4", "none", "jpeg")

@@ -59,7 +59,7 @@ import attacks_control  # noqa: E402  (issue 15's: tests/test_misleading.py, tes
 import attacks_health  # noqa: E402
 
 from impala_async.learner import checkpoint  # noqa: E402
-from impala_async.learner.metrics import read_metrics  # noqa: E402
+from impala_async.learner.reports.metrics import read_metrics  # noqa: E402
 
 
 def garbage_sender(listen: str, weights: str, rate_per_s: float, stop: threading.Event, sent: list) -> None:
@@ -227,7 +227,7 @@ def unattacked_rate(logdir: Path, seconds: float, learner: subprocess.Popen) -> 
 
 def hostile_checkpoints(logdir: Path) -> dict:
     """Issue 15, class 5, on the soak's own checkpoints after the run: a stride-0 tensor and a FIFO written as the two
-    newest; what a resume loads (checkpoint.load_latest as learner/checkpoint/resume.py calls it) must be the good one before
+    newest; what a resume loads (checkpoint.load_latest, as a resume calls it) must be the good one before
     them, with both set aside."""
     good, _ = attacks_checkpoints.newest_good(logdir)
     crafted = attacks_checkpoints.stack_crafts(logdir, ("fifo", "stride0"))

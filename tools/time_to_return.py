@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from impala_async.learner.metrics import read_metrics
+from impala_async.learner.reports.metrics import read_metrics
 
 
 def _finite(x: float) -> float | None:

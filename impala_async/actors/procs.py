@@ -180,7 +180,7 @@ class ActorProcesses:
         )
 
     def counters(self) -> dict:
-        """The supervisor's figures (the learner's counters.py, for train's local actors)."""
+        """The supervisor's figures (the learner's reports/counters.py, for train's local actors)."""
         return {
             "actors_alive": self.alive(),
             "actor_restarts": self.restarts_total,

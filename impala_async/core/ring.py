@@ -161,7 +161,7 @@ class TrajectoryRing:
             return len(self._ready) * self.batch_size + (self._row if self._filling is not None else 0)
 
     def counters(self) -> dict:
-        """The ring's figures (learner/counters.py): drops by cause, what waits, its size."""
+        """The ring's figures (learner/reports/counters.py): drops by cause, what waits, its size."""
         return {
             "dropped_full": self.dropped_full,
             "ring_dropped_stale": self.dropped_stale,

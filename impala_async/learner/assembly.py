@@ -32,13 +32,13 @@ from . import checkpoint, curriculum
 from .ingest import Ingest
 from .intake import Intake, Room
 from .learn import Learner
-from .metrics import Reports
 from .pacing import Pacer
 from .parts import Outputs, Parts, Run
 from .publisher import WeightsPublisher
-from .tboard import tensorboard_writer
+from .reports.metrics import Reports
+from .reports.tboard import tensorboard_writer
+from .reports.watch import CollapseWatch
 from .trainer import Trainer
-from .watch import CollapseWatch
 from .weights import Publication
 
 log = logging.getLogger("impala_async.learner.assembly")

@@ -23,7 +23,7 @@ from ..core import wire
 from ..core.decoder import TrajectoryDecoder
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
-from .histograms import Histogram
+from .reports.histograms import Histogram
 
 log = logging.getLogger("impala_async.learner.ingest")
 UNAUTHENTICATED = "unauthenticated"  # the key name trajectories_by_key counts under without CURVE
@@ -96,7 +96,7 @@ class Ingest:
         self.pacer = pacer
 
     def counters(self) -> dict:
-        """Ingest's figures (learner/counters.py); containers the event loop changes are copied in one C call."""
+        """Ingest's figures (reports/counters.py); containers the event loop changes are copied in one C call."""
         returns, lengths, rejected = self.returns.copy(), self.lengths.copy(), dict(self.rejected)
         return {
             "env_steps": self.env_steps,

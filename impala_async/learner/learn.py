@@ -19,7 +19,7 @@ from ..core.finite import nonfinite
 from ..core.models import ModelConfig, build_model
 from ..core.spec import TrajectorySpec
 from . import loss
-from .histograms import RHO_BIN_EDGES
+from .reports.histograms import RHO_BIN_EDGES
 
 STAT_NAMES = ("loss_pg", "loss_baseline", "entropy", "rho_mean", "rho_clipped_frac", "rho_far_frac")
 FUSED_DEVICES = ("cpu", "cuda")  # where torch.optim has Adam's fused kernel and RMSprop's foreach

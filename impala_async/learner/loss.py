@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ..config.sections import Loss
 from ..core import frames, vtrace
 from ..core.spec import TrajectorySpec
-from .histograms import RHO_BIN_EDGES
+from .reports.histograms import RHO_BIN_EDGES
 
 
 class Inputs(NamedTuple):

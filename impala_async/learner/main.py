@@ -60,7 +60,7 @@ def refuse(cfg: LearnerConfig, default_listen: str):
     from ..ops import auth
 
     if cfg.observe.tensorboard:
-        from . import tboard
+        from .reports import tboard
 
         if tboard.missing():
             raise ValueError(tboard.missing())

@@ -2,7 +2,7 @@
 
 :class:`Parts` holds one rank's parts, each whole (learner/assembly.py builds them), with the run's fixed inputs
 (:class:`Run`), and reads what several consumers need from the parts' own answers (``counters()``, heartbeats): the
-counters snapshot of a report (counters.py), the state a checkpoint holds, the view a Prometheus scrape reads,
+counters snapshot of a report (reports/counters.py), the state a checkpoint holds, the view a Prometheus scrape reads,
 /healthz, the SIGUSR1 summary. :class:`Outputs` are rank 0's. No part reads another through the server.
 """
 
@@ -18,14 +18,15 @@ import zmq
 from ..config import LearnerConfig
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
-from . import checkpoint, counters, prom
-from .histograms import Histogram
+from . import checkpoint
 from .ingest import Ingest
 from .intake import Intake
 from .learn import Learner
-from .metrics import Reports, UpdateLog
 from .pacing import Pacer
 from .publisher import WeightsPublisher
+from .reports import counters, prom
+from .reports.histograms import Histogram
+from .reports.metrics import Reports, UpdateLog
 from .trainer import Trainer
 from .weights import Publication
 
@@ -97,7 +98,7 @@ class Parts:
         return self.run.spec
 
     def sources(self) -> list[Callable[[], dict]]:
-        """Every part's counters (counters.py), this rank's (rank 0's outputs add theirs to its reports)."""
+        """Every part's counters (reports/counters.py), this rank's (rank 0's outputs add theirs to its reports)."""
         own = [
             self.ingest.counters,
             self.ring.counters,

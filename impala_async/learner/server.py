@@ -14,7 +14,7 @@ update on every rank, intake going on till then), writes the final checkpoint an
 
 Threads (docs/architecture.md): the event loop owns every socket; the training thread owns the model and optimizer
 and hands weights messages to the loop with ``call_soon_threadsafe``; the parts count their own figures, which one
-snapshot per report gathers (counters.py).
+snapshot per report gathers (reports/counters.py).
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ from ..config import LearnerConfig
 from ..core.spec import TrajectorySpec
 from ..ops import exitcodes
 from ..ops.console import say
-from . import prom, tasks
+from . import tasks
 from .assembly import StartupError, assemble, assemble_outputs, run_of
 from .learn import Learner
-from .metrics import Update
 from .parts import Outputs, Parts
+from .reports import prom
+from .reports.metrics import Update
 
 log = logging.getLogger("impala_async.learner.server")
 

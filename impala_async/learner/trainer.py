@@ -18,7 +18,7 @@ import torch
 
 from ..core.ring import Batch, TrajectoryRing
 from .learn import Learner
-from .metrics import Update
+from .reports.metrics import Update
 
 log = logging.getLogger("impala_async.learner.trainer")
 

@@ -211,7 +211,7 @@ def set_aside(path: Path) -> Path | None:
 
 
 def validate_learner_state(state: dict, max_bytes: int = 4 << 30, optimizer: bool = True) -> None:
-    """Raise ValueError unless ``state`` holds what a learner checkpoint must (learner/checkpoint/statecheck.py): every field
+    """Raise ValueError unless ``state`` holds what a learner checkpoint must (statecheck.py): every field
     typed and ranged, a configuration this version accepts, a network of at most ``max_bytes`` of weights that its
     configuration and spec describe, weights (and with ``optimizer``, optimizer state) that fit it, every float
     tensor finite (a run that resumed from NaN weights would publish them to every actor)."""

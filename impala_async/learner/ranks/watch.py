@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 from ...ops import exitcodes
-from ..counters import SUMMED, heartbeat_figures
+from ..reports.counters import SUMMED, heartbeat_figures
 
 log = logging.getLogger("impala_async.learner.ranks.watch")
 

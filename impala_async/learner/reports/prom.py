@@ -17,14 +17,14 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
-from ..actors.observe import server_options
-from ..config.service import Observe
-from ..core.wire import REJECT_REASONS
-from ..ops import httpd
+from ...actors.observe import server_options
+from ...config.service import Observe
+from ...core.wire import REJECT_REASONS
+from ...ops import httpd
+from ..guard import CUT_REASONS
+from ..ranks.watch import REJECT_REASONS as RANK_REJECT_REASONS
 from .counters import Snapshot
-from .guard import CUT_REASONS
 from .histograms import LAG_BUCKETS, RHO_BUCKETS
-from .ranks.watch import REJECT_REASONS as RANK_REJECT_REASONS
 
 P = "impala_async_"
 # Cumulative figures of the snapshot exported as counters: key -> (name without _total, help).

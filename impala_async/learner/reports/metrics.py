@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.wire import REJECT_REASONS
-from ..ops.console import say
+from ...core.wire import REJECT_REASONS
+from ...ops.console import say
+from ..guard import CUT_REASONS
+from ..ranks.watch import REJECTED_RANK_VALUES
 from .counters import Snapshot
-from .guard import CUT_REASONS
 from .histograms import RHO_BIN_EDGES, Totals
-from .ranks.watch import REJECTED_RANK_VALUES
 
 log = logging.getLogger("impala_async.learner.metrics")
 watch_log = logging.getLogger("impala_async.learner.watch")  # the collapse warnings are the watch's
