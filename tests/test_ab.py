@@ -70,6 +70,7 @@ def test_figures_of_one_run(tmp_path):
     assert short["at"] == [None] and short["steps_to_threshold"] is None, "a run never got to 1500 steps or 15"
 
 
+@pytest.mark.process
 def test_every_problem_of_an_experiment_file_is_reported_at_once(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\nseeds = []\ncheckpoints = [1.5]\nstop_at_threshold = true\ncolour = "red"\n')
@@ -106,6 +107,7 @@ def test_the_table_gives_median_and_range_over_each_arms_seeds(tmp_path):
     assert "| slow | 1 | 4.0 | 4.0 | - (0/1)" in text, text
 
 
+@pytest.mark.process
 def test_the_tool_runs_the_arms_and_reports_what_their_metrics_say(tmp_path):
     """Two real arms side by side (--parallel 2), one seed each; a second invocation runs nothing again."""
     experiment = write_experiment(tmp_path / "tiny.toml", seeds=(3,))
@@ -133,6 +135,7 @@ def test_the_tool_runs_the_arms_and_reports_what_their_metrics_say(tmp_path):
     assert before == {arm: (d / "metrics.jsonl").stat().st_mtime for arm, d in runs.items()}, "a run ran again"
 
 
+@pytest.mark.process
 def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path):
     """The harness stopped (SIGTERM, as a supervisor or a session's end would) mid-run: its run writes a checkpoint and
     stops; the next invocation continues that run from it (train --resume), not from scratch, and says so."""

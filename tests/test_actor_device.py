@@ -123,6 +123,7 @@ def test_cuda_agrees_with_the_cpu():
         assert same.any(), "the GPU policy acted differently in every environment"
 
 
+@pytest.mark.process
 def test_cuda_without_a_device_is_refused_in_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

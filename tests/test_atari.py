@@ -50,6 +50,7 @@ def test_pong_is_preprocessed_to_stacked_84x84_frames():
         env.close()
 
 
+@pytest.mark.process
 def test_train_pong_end_to_end(tmp_path):
     """`impala-async train --env ALE/Pong-v5` on a tiny budget: the CNN trains on real ALE frames and exits 0."""
     logdir, log = tmp_path / "run", tmp_path / "log"

@@ -278,6 +278,7 @@ def test_refuses_a_key_file_that_is_a_symbolic_link(key_dirs, tmp_path, name):
     )
 
 
+@pytest.mark.process
 def test_refusals_are_value_errors_and_os_errors(key_dirs):
     """The CLI turns both into a one-line exit; ``keygen``'s caller catches only ValueError (and FileExistsError)."""
     (key_dirs.learner / "learner.key_secret").chmod(0o640)
@@ -295,6 +296,7 @@ def test_keygen_refuses_a_directory_others_can_write(tmp_path):
     assert not list(directory.iterdir())
 
 
+@pytest.mark.process
 def test_the_cli_refuses_unsafe_keys_in_one_line(key_dirs, tmp_path):
     (key_dirs.learner / "allowed").chmod(0o775)
     loose = tmp_path / "loose"

@@ -48,6 +48,7 @@ def good_run(tmp_path_factory):
     return train_good_run(tmp_path_factory.mktemp("good") / "run")
 
 
+@pytest.mark.process
 def test_resume_sets_every_hostile_checkpoint_aside_and_resumes_the_good_one(good_run, tmp_path):
     """Every craft but env_module at once, each newer than the good checkpoint: the learner skips each (the spec that
     does not fit the environment when it restores it) and gets to its first publish with the good one's state."""
@@ -82,6 +83,7 @@ def _load_latest_within(directory, timeout_s: float):
     return bool(box), (box or [None])[0]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", FILE_CRAFTS)
 def test_each_hostile_checkpoint_is_refused_by_the_checks_of_the_file(good_run, tmp_path, name):
     run = tmp_path / "run"
@@ -94,6 +96,7 @@ def test_each_hostile_checkpoint_is_refused_by_the_checks_of_the_file(good_run, 
     assert os.path.lexists(bad.with_name(bad.name + ".bad")) and not os.path.lexists(bad)
 
 
+@pytest.mark.process
 def test_two_checkpoints_refused_alike_are_not_set_aside(good_run, tmp_path):
     """A refusal that every checkpoint meets is this version's (a check added, a default changed), not damage: setting
     each aside would set aside the whole run. Both stay, and the refusal says why."""
@@ -117,6 +120,7 @@ def damage(run: Path, how: str, count: int) -> list[Path]:
     return paths
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("how,count", [("truncated", 2), ("emptied", 2), ("truncated", 3)])
 def test_any_number_of_damaged_checkpoints_are_set_aside(good_run, tmp_path, how, count):
     """Damage is damage however often it repeats: two (or three of four) truncated or emptied newest checkpoints
@@ -130,6 +134,7 @@ def test_any_number_of_damaged_checkpoints_are_set_aside(good_run, tmp_path, how
     assert sorted(p.name for p in run.glob("*.bad")) == sorted(p.name + ".bad" for p in damaged)
 
 
+@pytest.mark.process
 def test_resume_falls_back_past_damaged_checkpoints(good_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(good_run, run)
@@ -141,6 +146,7 @@ def test_resume_falls_back_past_damaged_checkpoints(good_run, tmp_path):
     assert figures["set_aside"] and not figures["traceback"], figures
 
 
+@pytest.mark.process
 def test_a_checkpoint_of_an_older_version_is_skipped_not_set_aside(good_run, tmp_path):
     """A configuration that fails a check while it lacks a field this version added (which took its default) may be
     refused for this version's sake, not the file's: skipped, kept. The same value with every field: set aside."""
@@ -158,6 +164,7 @@ def test_a_checkpoint_of_an_older_version_is_skipped_not_set_aside(good_run, tmp
     assert older.exists() and [p.name for p in run.glob("*.bad")] == [f"checkpoint-{steps + 10:012d}.pt.bad"]
 
 
+@pytest.mark.process
 def test_a_module_env_id_from_a_checkpoint_is_refused_in_one_line_and_kept(good_run, tmp_path):
     figures = resume_attack("env_module", good_run, tmp_path, TIMEOUT_S)
     assert figures["outcome"] == "exited" and figures["exit_code"] == 1, figures
@@ -173,6 +180,7 @@ def _configure(*argv: str):
     return cli.load_learner_config(cli.build_parser().parse_args(["train", *argv]))[0]
 
 
+@pytest.mark.process
 def test_a_module_env_id_needs_the_command_line(good_run, tmp_path):
     """From a --config file (or a checkpoint) only with --allow-env-module 1 typed; the same permission from the file
     does not count; typed with --env it is the user's own; the package's own environments always pass."""
@@ -193,6 +201,7 @@ def test_a_module_env_id_needs_the_command_line(good_run, tmp_path):
     assert layered.cfg.env.env == "this:CartPole-v1" and layered.layer("env") == "resumed"
 
 
+@pytest.mark.process
 def test_eval_plays_the_good_checkpoint_past_every_hostile_one_and_renames_nothing(good_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(good_run, run)
@@ -204,6 +213,7 @@ def test_eval_plays_the_good_checkpoint_past_every_hostile_one_and_renames_nothi
     assert not list(run.glob("*.bad"))
 
 
+@pytest.mark.process
 def test_restore_sets_aside_a_checkpoint_whose_state_does_not_load_and_takes_the_previous(good_run, tmp_path):
     """Past the checks of the file, restoring can still fail (here: the spec the environment gives); with this run's
     configuration the checkpoint's own, that is the file's fault. Changing a field that shapes the network is the
@@ -238,6 +248,7 @@ def test_restore_sets_aside_a_checkpoint_whose_state_does_not_load_and_takes_the
     assert bad.exists() and older.exists() and not list(run.glob("*.bad"))
 
 
+@pytest.mark.process
 def test_the_walk_refuses_what_no_learner_writes(good_run):
     """check_tree, on the parts of a real state each attack bends: budgets, sharing, nesting, and dense tensors."""
     state = torch.load(newest_good(good_run)[0], weights_only=True)
@@ -260,6 +271,7 @@ def test_the_walk_refuses_what_no_learner_writes(good_run):
     checkpoint.check_tree({"tied": [shared[0], shared[0]]}, 1000)  # one tensor held twice (tied weights) is no DAG
 
 
+@pytest.mark.process
 def test_the_archive_is_bounded_before_it_is_parsed(good_run, tmp_path):
     """The zip directory (records, bytes) from the end record alone, and the pickle record's size."""
     good, _ = newest_good(good_run)
@@ -278,6 +290,7 @@ def test_the_archive_is_bounded_before_it_is_parsed(good_run, tmp_path):
         checkpoint.load(link, 1 << 30)
 
 
+@pytest.mark.process
 def test_a_resume_takes_no_address_permission_or_process_count_from_the_checkpoint(good_run, tmp_path):
     """A checkpoint (a file anyone with the run directory may have written) that sets the learner's addresses to every
     interface, `insecure` and a number of local actors: a plain `train --resume` used to bind 0.0.0.0 without CURVE

@@ -33,6 +33,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "command,flags",
     [
@@ -68,6 +69,7 @@ def test_help_is_complete(command, flags):
         assert flag in out.stdout, flag
 
 
+@pytest.mark.process
 def test_train_end_to_end(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
     proc = cli("train", *SMALL, "--total-env-steps", "4000", "--logdir", str(logdir), log=log)
@@ -104,6 +106,7 @@ def _cmdline(pid):
         return []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_everything_within_10_s(tmp_path, sig):
     logdir, log = tmp_path / "run", tmp_path / "log"
@@ -122,6 +125,7 @@ def test_signal_stops_everything_within_10_s(tmp_path, sig):
         stop(proc)
 
 
+@pytest.mark.process
 def test_learner_and_attached_actors(tmp_path):
     port = free_port_pair()
     logdir, llog, alog = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actor.log"
@@ -163,6 +167,7 @@ def test_learner_and_attached_actors(tmp_path):
             stop(actors)
 
 
+@pytest.mark.process
 def test_env_kwargs_reach_learner_and_actors(tmp_path):
     """`--env-kwargs` travels to the actors with the weights. CartPole cut at 5 steps returns exactly 5 per episode;
     uncut, no CartPole episode is that short (the pole takes about 8 steps to fall even under the worst policy)."""
@@ -203,6 +208,7 @@ def test_env_kwargs_reach_learner_and_actors(tmp_path):
     assert bad.returncode != 0 and "no_such_argument" in bad.stderr, bad.stderr
 
 
+@pytest.mark.process
 @pytest.mark.slow  # ~40 s; the MinAtar result (BENCHMARKS.md, section 10) is the image path's learning proof now
 def test_image_path_learns(tmp_path):
     """The conv network, uint8 frames, the ring and V-trace together learn what they see: a visual bandit (random
@@ -234,6 +240,7 @@ def test_image_path_learns(tmp_path):
         stop(proc)
 
 
+@pytest.mark.process
 def test_the_learner_has_room_for_the_largest_message_it_accepts(tmp_path):
     """An honest actor of 256 environments sends 256 trajectories at once, within the limit the learner advertises
     (max_trajectories_per_message 256). The `learner` command used to size its ring for train's 32-environment actors

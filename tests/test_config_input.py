@@ -79,6 +79,7 @@ def test_sizes_the_machine_cannot_hold_are_refused_before_allocation():
     assert "unroll_length 10000000" in memory_refusal(fits.replace(unroll_length=10**7), long, 24 << 30)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "args,words",
     [

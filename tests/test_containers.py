@@ -28,6 +28,7 @@ def missing() -> str:
     return ""
 
 
+@pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.skipif(bool(missing()), reason=missing() or "ready")
 def test_actor_containers_attach_to_a_learner_container_by_address():

@@ -77,6 +77,7 @@ def schedule(trained: float) -> float:
     return 0.5 + 1.5 * min(1.0, max(0.0, trained) / N_STEPS)
 
 
+@pytest.mark.process
 def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
     """DifficultyProbe's reward is the difficulty its episode ran at, so ``episode_return_mean`` (the last 100
     episodes) is the schedule seen through the actors. The schedule's clock is ``env_steps_trained`` (T, the

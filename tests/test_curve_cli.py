@@ -60,6 +60,7 @@ def last_metrics(logdir: Path) -> dict:
     return rows[-1] if rows else {}
 
 
+@pytest.mark.process
 def test_only_the_listed_actor_gets_in(tmp_path, key_dirs):
     ldir, adir = key_dirs
     port = free_port_pair()
@@ -165,6 +166,7 @@ def _stranger_dir(tmp_path: Path, adir: Path) -> Path:
     return sdir
 
 
+@pytest.mark.process
 def test_an_actor_tells_refusal_from_absence(tmp_path, key_dirs):
     """A refused key shows in the actor's socket monitor as HANDSHAKE_FAILED_AUTH (ZAP status 400): the actor says
     so and exits 5; with nothing listening it says that and exits 3 (docs/protocol.md, Keys)."""
@@ -195,6 +197,7 @@ def test_an_actor_tells_refusal_from_absence(tmp_path, key_dirs):
     assert "nothing accepted a connection" in absent.stderr
 
 
+@pytest.mark.process
 def test_train_with_curve_gives_its_local_actors_a_key(tmp_path, key_dirs):
     ldir, _ = key_dirs
     allowed_before = sorted(p.name for p in (ldir / "allowed").iterdir())
@@ -248,6 +251,7 @@ def _refusal_cases(tmp_path: Path, ldir: Path) -> dict[str, tuple[list[str], lis
     }
 
 
+@pytest.mark.process
 def test_learner_refuses_to_start(tmp_path, key_dirs):
     cases = _refusal_cases(tmp_path, key_dirs[0])
     procs = {}
@@ -288,6 +292,7 @@ def test_learner_refuses_to_start(tmp_path, key_dirs):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.process
 def test_insecure_flag_allows_an_exposed_address(tmp_path):
     port = free_port_pair()
     logdir, log = tmp_path / "run", tmp_path / "learner.log"

@@ -145,6 +145,7 @@ def _by_name(node):
     return node
 
 
+@pytest.mark.process
 def test_renderer_matches_kubectl_kustomize(rendered):
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -181,6 +182,7 @@ def test_strict_validation_catches_a_typo(rendered):
 
 
 # --------------------------------------------------------------------------------------- what the issue demands
+@pytest.mark.process
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_learner(rendered, variant, tmp_path):
     docs = rendered[variant]
@@ -233,6 +235,7 @@ def test_learner(rendered, variant, tmp_path):
     }
 
 
+@pytest.mark.process
 def test_learner_resumes_when_its_run_directory_has_a_checkpoint(rendered, tmp_path):
     learner = _container(rendered["base"], "impala-learner", "learner")
     logdir = tmp_path / "runs" / "learner"
@@ -247,6 +250,7 @@ def test_learner_resumes_when_its_run_directory_has_a_checkpoint(rendered, tmp_p
     assert flag_problems(argv) == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_actor_fleet(rendered, variant, tmp_path):
     docs = rendered[variant]
@@ -275,6 +279,7 @@ def test_actor_fleet(rendered, variant, tmp_path):
     assert actors["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(METRICS_PORT)
 
 
+@pytest.mark.process
 def test_actor_pods_draw_different_seeds(rendered, tmp_path):
     container = _container(rendered["base"], "impala-actors", "actor")
     seeds = {_flag(_container_argv(container, tmp_path), "--seed") for _ in range(3)}
@@ -463,6 +468,7 @@ def _run_keys_init(docs: list[dict], deployment: str, root: Path, secrets: dict)
     return root / curve_keys.lstrip("/")
 
 
+@pytest.mark.process
 def test_copied_keys_pass_the_learner_and_actor_checks(rendered, secrets, tmp_path):
     from impala_async.ops import auth
 
@@ -497,11 +503,13 @@ def _all_argvs(rendered, tmp_path) -> dict[str, list[str]]:
     return argvs
 
 
+@pytest.mark.process
 def test_every_flag_exists(rendered, tmp_path):
     for where, argv in _all_argvs(rendered, tmp_path).items():
         assert flag_problems(argv) == [], where
 
 
+@pytest.mark.process
 def test_a_flag_that_does_not_exist_fails(rendered, tmp_path):
     learner = copy.deepcopy(_container(rendered["base"], "impala-learner", "learner"))
     learner["args"][learner["args"].index("--shutdown-timeout-s")] = "--shutdown-timeout-secs"
@@ -518,6 +526,7 @@ def test_a_flag_that_does_not_exist_fails(rendered, tmp_path):
     assert "invalid int value: 'eight'" in problem
 
 
+@pytest.mark.process
 def test_metrics_flags_exist(rendered, tmp_path):
     for where, argv in _all_argvs(rendered, tmp_path).items():
         assert flag_problems(argv) == [], where
@@ -577,6 +586,7 @@ def _seconds(duration: str) -> float:
     return int(m.group(1)) * (60 if m.group(2) == "m" else 1)
 
 
+@pytest.mark.process
 def test_compose(tmp_path):
     compose = _compose()
     learner = compose["services"]["learner"]
@@ -616,6 +626,7 @@ def test_compose(tmp_path):
     assert target.rsplit(":", 1)[0] in _flag(argv, "--metrics-allowed-hosts").split(",")
 
 
+@pytest.mark.process
 def test_compose_cpu_override(tmp_path):
     """compose.cpu.yaml: compose.yaml's learner with --device cpu and no GPU reservation, nothing else changed."""
 
@@ -654,6 +665,7 @@ def test_no_stray_env_prefix(rendered):
                 assert not [n for n in _env(c) if n.startswith("IMPALA_ASYNC_")], c["name"]
 
 
+@pytest.mark.process
 def test_what_podman_kube_play_is_given(rendered):
     """tools/k8s_render.py --podman: what the kubelet and the cluster would do, done on the manifests (podman 4.3's
     kube play expands no $(VAR), has no Services, plays one replica, mounts Secrets base64-encoded and publishes

@@ -90,6 +90,7 @@ def weather(tmp_path: Path, logdir: Path, spoil, mend) -> None:
     assert checkpoint.load(newest, 1 << 30)["learner"]["env_steps_trained"] > 0
 
 
+@pytest.mark.process
 def test_a_full_disk_is_weather(small_fs, tmp_path):
     box = {}
     weather(
@@ -109,6 +110,7 @@ def scraped(port: int, name: str = "learner_steps") -> int:
     return int(float(re.search(rf"^impala_async_{name}_total (\S+)$", body, re.M).group(1)))
 
 
+@pytest.mark.process
 def test_a_full_disk_under_the_console_too(small_fs, tmp_path):
     """`train > LOGDIR/train.log 2>&1` (nohup, a soak): the console's own file is on the full disk. Nothing the
     learner writes there may end it; it trains through the spell (seen on /metrics), says the faults once space is
@@ -131,6 +133,7 @@ def test_a_full_disk_under_the_console_too(small_fs, tmp_path):
     strict_lines(logdir / "metrics.jsonl")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("fault", ["full", "read-only"])
 def test_starting_on_a_full_or_read_only_disk_is_refused_in_one_line(small_fs, tmp_path, fault):
     """A mount cannot turn read-only under a learner's open files (the kernel refuses: "mount point is busy"), so a

@@ -285,6 +285,7 @@ def test_the_vector_contract():
         vec.close()
 
 
+@pytest.mark.process
 def test_train_pong_with_envpool_end_to_end(tmp_path):
     """`impala-async train --env ALE/Pong-v5 --env-backend envpool` on a tiny budget: the actors step EnvPool, send
     single frames, and the learner accepts every trajectory."""

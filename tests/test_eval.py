@@ -110,6 +110,7 @@ def read_video(path) -> list[np.ndarray]:
         return [np.asarray(f) for f in reader]
 
 
+@pytest.mark.process
 def test_printed_mean_and_std_are_those_of_the_episodes(evals):
     out = stdout(evals["text"])
     episodes = re.findall(r"^episode (\d+)/3: return (\S+), length (\d+) \((terminated|truncated)\)$", out, re.M)
@@ -130,6 +131,7 @@ def test_printed_mean_and_std_are_those_of_the_episodes(evals):
     assert (returns == lengths).all(), "CartPole pays 1 a step"
 
 
+@pytest.mark.process
 def test_greedy_is_deterministic_and_the_video_has_every_frame(evals):
     """The same greedy evaluation twice (once filming its first episode): the same episodes; the MP4 decodes to the
     episode's length + 1 frames of CartPole's 400x600 picture."""
@@ -148,6 +150,7 @@ def test_greedy_is_deterministic_and_the_video_has_every_frame(evals):
     assert np.abs(frames[0].astype(int) - frames[-1].astype(int)).max() > 100, "the cart and pole never moved"
 
 
+@pytest.mark.process
 def test_image_observations_make_the_frames(evals):
     """The image bandit renders nothing: each frame is the newest observation frame in grey, scaled 4x to 336x336,
     with the bright square on exactly one side."""
@@ -208,6 +211,7 @@ def test_gif_without_ffmpeg_and_one_line_without_imageio(monkeypatch, tmp_path):
         video.VideoWriter(tmp_path, fps=10, max_frames=3)
 
 
+@pytest.mark.process
 def test_refusals_and_the_step_bound(runs, tmp_path):
     with pytest.raises(evaluate.EvalError, match="no usable checkpoint"):
         evaluate.load_state(tmp_path, 1 << 30)

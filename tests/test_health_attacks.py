@@ -56,6 +56,7 @@ def learner(tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------------------------------- end to end
+@pytest.mark.process
 def test_healthz_answers_while_idle_connections_hold_the_port(learner):
     """The issue's attack: 8 idle connections, reopened as they close, made every probe 503 (49 of 49) and every
     healthcheck exit 1; 200 of them must not either (TCP_DEFER_ACCEPT keeps idle ones in the kernel, the caps close
@@ -67,6 +68,7 @@ def test_healthz_answers_while_idle_connections_hold_the_port(learner):
         assert figures["healthchecks_ok"] == 2, figures
 
 
+@pytest.mark.process
 def test_healthz_answers_while_endless_heads_hold_the_port(learner):
     """Connections that send the start of a request and never finish it (accepted, unlike idle ones, as they have
     sent bytes): 200 of them from the probe's own address must not starve it either."""
@@ -77,6 +79,7 @@ def test_healthz_answers_while_endless_heads_hold_the_port(learner):
     assert figures["idle_closed_by_server"] > 0, figures  # the endless heads were closed, not left to pile up
 
 
+@pytest.mark.process
 def test_a_dns_rebinding_host_is_refused(learner):
     """A page of attacker.example rebound to 127.0.0.1 sends Host: attacker.example: 421, for both pages; the forms a
     local client, Prometheus or the kubelet send (an IP literal, localhost, [::1]) are answered."""
@@ -91,6 +94,7 @@ def test_a_dns_rebinding_host_is_refused(learner):
     assert attack.get("127.0.0.1", learner, "/metrics", headers={"Host": f"[::1]:{learner}"})[0] == 200
 
 
+@pytest.mark.process
 def test_request_heads_are_held_to_their_limit(learner):
     """--max-metrics-request-bytes (8192) bounds the whole head, whatever chunks it comes in: a head of 8192 bytes is
     answered, one of 8193 or 8392 bytes sent in one write is refused (431); the server read 4096 bytes at a time and
@@ -311,6 +315,7 @@ for _ in sys.stdin:  # each line asks for the counts
 """
 
 
+@pytest.mark.process
 def test_the_server_survives_running_out_of_descriptors(tmp_path):
     """accept() failing (EMFILE) closes the oldest connection still sending its head, or pauses accepting: it never
     ends the server or spins."""

@@ -116,6 +116,7 @@ def training(tmp_path, ctx):
         stop(learner.proc)
 
 
+@pytest.mark.process
 def test_hostile_inputs_are_counted_and_training_goes_on(training, ctx):
     learner = training
     learner.weights()
@@ -259,6 +260,7 @@ def _wait_event(monitor: zmq.Socket, event: int, timeout_s: float = 10.0) -> boo
     return False
 
 
+@pytest.mark.process
 def test_bin_map_key_does_not_stop_the_learner(tmp_path, ctx):
     learner = Learner(tmp_path, ctx)
     try:

@@ -68,6 +68,7 @@ def acting():
 
 
 # ------------------------------------------------------------------------------------------------ in process
+@pytest.mark.process
 def test_the_same_incarnation_with_mismatched_tensors_is_ignored_with_a_warning(acting, caplog):
     before = {k: v.clone() for k, v in acting.run.policy.model.state_dict().items()}
     good = weights(run_info(), version=2)
@@ -85,6 +86,7 @@ def test_the_same_incarnation_with_mismatched_tensors_is_ignored_with_a_warning(
     assert acting.take(good) is None and acting.run.policy.version == 2  # a good one afterwards is taken
 
 
+@pytest.mark.process
 def test_a_new_run_is_rebuilt_and_the_environments_kept_when_they_serve(acting, caplog):
     envs = acting.run.envs
     acting.run.state = "stale"  # the recurrent state must be fresh
@@ -109,6 +111,7 @@ def test_a_new_run_is_rebuilt_and_the_environments_kept_when_they_serve(acting, 
     assert acting.run is kept and (kept.policy.version, kept.policy.incarnation) == (9, 15)
 
 
+@pytest.mark.process
 def test_a_new_run_this_actor_cannot_act_in_ends_it_with_run_changed(acting, caplog):
     msg = weights(run_info("NoSuchEnvironment-v0"), incarnation=12)
     with pytest.raises(RunError) as e:
@@ -133,6 +136,7 @@ def test_a_new_run_this_actor_cannot_act_in_ends_it_with_run_changed(acting, cap
 
 
 # --------------------------------------------------------------------------------------------- real processes
+@pytest.mark.process
 def test_an_actor_that_cannot_follow_a_restart_exits_with_run_changed(tmp_path):
     """A fake learner (sockets in this process) runs CartPole, then restarts as a run the actor cannot build: the
     actor process exits with RUN_CHANGED and one ERROR line, no traceback."""
@@ -165,6 +169,7 @@ def test_an_actor_that_cannot_follow_a_restart_exits_with_run_changed(tmp_path):
         ctx.destroy(0)
 
 
+@pytest.mark.process
 def test_an_actor_follows_a_restarted_learner_with_another_network_and_unroll_length(tmp_path):
     """The learner is stopped and a fresh one started at the same address with another network and unroll length:
     the same actor process acts in the new run, and the new learner rejects none of its messages."""

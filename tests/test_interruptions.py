@@ -39,6 +39,7 @@ def test_an_empty_pre_opened_checkpoint_file_is_no_partial_checkpoint(tmp_path):
     assert checkpoint.remove_partial(tmp_path) == 1 and not part.exists() and not empty.exists()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "moment", ["learner: the update runs on", "configuration (values that differ", "impala-async learner listening"]
 )

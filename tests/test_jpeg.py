@@ -341,6 +341,7 @@ def test_the_learner_flag():
     assert "uint8 image" in codecs.refusal(VECTOR.fields[0], 255.0)
 
 
+@pytest.mark.process
 def test_train_pong_on_jpeg_frames(tmp_path):
     """The real CLI: actors read --obs-codec from the weights message and send JPEG frames; the learner trains."""
     pytest.importorskip("ale_py")

@@ -164,6 +164,7 @@ def test_every_field_has_one_flag_name_and_the_help_is_grouped_by_section():
     assert "--device STR" in actor_help and "--envs-per-actor INT" in actor_help
 
 
+@pytest.mark.process
 def test_the_run_writes_its_config_and_a_second_run_replays_it(tmp_path):
     """End to end: a real (tiny) run writes LOGDIR/config.json with each value's layer; --config of that file runs
     with the same chosen values (not its logdir, not what resolution filled)."""

@@ -27,6 +27,7 @@ pytest.importorskip("minatar", reason="needs the minatar extra: pip install 'imp
 T, K, H = 50, 4, 32  # unroll length (the 50-100 the article recommends), environments, LSTM units
 
 
+@pytest.mark.process
 def test_the_learner_reproduces_the_actors_logits_from_the_carried_state(tmp_path):
     spec = TrajectorySpec(obs_shape=(4, 10, 10), obs_dtype="uint8", num_actions=3, unroll_length=T, core_state_size=H)
     cfg = ModelConfig.minatar(input_scale=1.0, lstm_size=H)

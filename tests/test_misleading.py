@@ -51,6 +51,7 @@ def learner(tmp_path_factory, ctx):
 
 
 # ------------------------------------------------------------------------------------- 2. figures, not claims
+@pytest.mark.process
 def test_flow_control_counts_connections_not_declared_ids(learner, ctx):
     """20 valid one-trajectory messages a second from fresh actor ids over one connection: one more sender for the
     pace, not 20 a second (before: pace_senders rose to ~100 and the honest actor was paced 100 times too slow)."""
@@ -81,6 +82,7 @@ def _honest_rate(learner, seconds: float, attack=None) -> float:
     return (received - sent) / (last["wall_s"] - first["wall_s"])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("connections", [100, 1000])
 def test_slow_senders_on_many_connections_leave_the_honest_actor_its_throughput(learner, ctx, connections):
     """Issue 27, row 1: 20 valid one-trajectory messages a second in all, spread over 100 (or 1,000) connections, each
@@ -108,6 +110,7 @@ def test_slow_senders_on_many_connections_leave_the_honest_actor_its_throughput(
     assert during >= 0.5 * before, (before, during)
 
 
+@pytest.mark.process
 def test_episode_records_need_steps_that_end_episodes(learner, ctx):
     """A message may claim at most as many episodes as its steps end, and the episode count (the curriculum's clock)
     is what the accepted steps ended. Before: 250 messages of 4,096 records each moved the difficulty to its end."""
@@ -127,6 +130,7 @@ def test_episode_records_need_steps_that_end_episodes(learner, ctx):
     assert row["difficulty"] < 0.6, row["difficulty"]  # 100M env steps trained to the end: it has barely moved
 
 
+@pytest.mark.process
 def test_ended_episodes_move_the_curriculum_only_by_the_steps_trained(learner, ctx):
     """Issue 27, row 6: valid messages whose every step ends an episode (256 trajectories of 10 steps, 2,560 ended
     episodes each, the most a message may carry is 4,096). The curriculum used to follow the episode count: 250 such
@@ -159,6 +163,7 @@ def test_ended_episodes_move_the_curriculum_only_by_the_steps_trained(learner, c
     assert row["difficulty"] <= schedule + 1e-9 and row["difficulty"] < 0.6, (row["difficulty"], schedule)
 
 
+@pytest.mark.process
 def test_drops_count_what_was_received(learner, ctx):
     """Messages of another learner run are dropped and counted as messages: 200 of them claiming 256 trajectories
     each add 200 to dropped_incarnation and nothing to trajectories_dropped (before: +51,200 trajectories). Measured
@@ -207,6 +212,7 @@ def test_one_large_message_does_not_raise_the_pace_target_for_the_run():
 
 
 # --------------------------------------------------------------------------------- 8. JPEG only when asked for
+@pytest.mark.process
 def test_a_learner_that_asked_for_lz4_refuses_jpeg(tmp_path, ctx):
     """JPEG costs about 6x LZ4 to decode: a learner decodes it only under --obs-codec jpeg. Before: any peer's JPEG
     was decoded (10,241 accepted by a learner that asked for LZ4)."""
@@ -257,6 +263,7 @@ def test_a_learner_that_asked_for_lz4_refuses_jpeg(tmp_path, ctx):
 
 
 # ------------------------------------------------------------------------------------------ 7. files, errors
+@pytest.mark.process
 def test_a_startup_failure_is_one_line(tmp_path):
     """The trajectory port taken: exit 1 and one line naming the address and the flag, no traceback."""
     with socket.socket() as taken:
@@ -283,6 +290,7 @@ def test_a_startup_failure_is_one_line(tmp_path):
     assert "Traceback" not in out.stderr, out.stderr
 
 
+@pytest.mark.process
 def test_the_logdir_and_the_checkpoints_are_private(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
     logdir.mkdir(mode=0o755)  # made by the user, open to others: the learner closes it
@@ -304,6 +312,7 @@ def test_the_logdir_and_the_checkpoints_are_private(tmp_path):
 
 
 # --------------------------------------------------------------------------- 9. the limits an actor must keep
+@pytest.mark.process
 def test_actors_keep_the_episode_limit_the_learner_sends(tmp_path):
     """run.max_episodes_per_message is sent, and the actor sends few enough trajectories per message that their
     steps cannot end more episodes. One-step episodes, 4 environments of 10 steps, at most 20 episodes a message: 2

@@ -181,6 +181,7 @@ def listening_line(log: Path) -> str:
     return next((line for line in log.read_text().splitlines() if "listening: --learner" in line), "")
 
 
+@pytest.mark.process
 def test_actor_hosts_through_a_link_outage_and_a_learner_restart(lab, tmp_path):
     figures: dict = {"outage_s": OUTAGE_S, "report_interval_s": 0.25, "hosts": HOSTS}
     t0 = time.monotonic()

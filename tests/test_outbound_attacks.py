@@ -70,6 +70,7 @@ class Honest:
 
 
 # ------------------------------------------------------------------------------ 3. outbound memory unbounded
+@pytest.mark.process
 def test_subscribers_that_take_nothing_are_cut_and_honest_ones_keep_their_weights(learner, ctx):
     """60 subscribers that read nothing, opened over 3 s, sending a PING every second: each is cut within
     max_subscriber_stall_s (2 s) of its weights waiting, plus a check and a PING; the old learner cut none in 30 s.
@@ -89,6 +90,7 @@ def test_subscribers_that_take_nothing_are_cut_and_honest_ones_keep_their_weight
     learner.trains_on("60 stalled subscribers", max_policy_lag=100)
 
 
+@pytest.mark.process
 def test_weights_held_for_stalled_subscribers_are_bounded(tmp_path, ctx):
     """100 subscribers that read nothing, opened over 4 s, with max_subscriber_stall_s 120 s: each pins the weight
     versions published as it stalled (its queue of 2 and the one being written, 2.1 MB each), and the old learner
@@ -120,6 +122,7 @@ def test_weights_held_for_stalled_subscribers_are_bounded(tmp_path, ctx):
 
 
 # --------------------------------------------------------------------- 4. the unread-bytes guard bypassed
+@pytest.mark.process
 def test_empty_messages_buy_no_unread_bytes(learner):
     """400,000 empty messages (2 bytes each on the wire, 25 MB of credit at 64 bytes a message), then an unfinished
     multipart message of 16 MiB against max_unread_bytes_per_connection 2 MiB: the old learner never cut the

@@ -331,6 +331,7 @@ def _message_times(pace: float, k: int, count: int, tmp_path) -> list[float]:
     return times
 
 
+@pytest.mark.process
 def test_a_real_actor_keeps_the_pace_it_is_sent(tmp_path):
     k, pace = 4, 0.1  # 4 trajectories per unroll: at least 0.4 s from one unroll's start to the next
     paced = np.diff(_message_times(pace, k, 5, tmp_path))

@@ -40,6 +40,7 @@ def read_png(path: Path) -> np.ndarray:
         return np.asarray(img.convert("RGB"))
 
 
+@pytest.mark.process
 def test_two_runs_at_the_requested_size(tmp_path):
     a, b = write_run(tmp_path / "run-a", 200.0), write_run(tmp_path / "run-b", 450.0, steps=20)
     out = tmp_path / "curve.png"
@@ -52,6 +53,7 @@ def test_two_runs_at_the_requested_size(tmp_path):
     assert (31, 119, 180) in colours and (255, 127, 14) in colours, "the two runs' lines (C0 and C1) are missing"
 
 
+@pytest.mark.process
 def test_median_of_runs_sharing_a_label(tmp_path):
     runs = [str(write_run(tmp_path / f"s{i}", 100.0 * (i + 1))) for i in range(3)]
     out = tmp_path / "median.png"
@@ -61,6 +63,7 @@ def test_median_of_runs_sharing_a_label(tmp_path):
     assert read_png(out).shape == (450, 1200, 3)  # the default size
 
 
+@pytest.mark.process
 def test_refusals(tmp_path):
     a = write_run(tmp_path / "a", 1.0)
     wrong = plot(str(a), "--labels", "x,y", "-o", str(tmp_path / "x.png"))
@@ -86,6 +89,7 @@ def test_median_band_spans_the_common_range():
     assert tool.median_band([([0, 1], [0, 0]), ([2, 3], [0, 0])]) is None
 
 
+@pytest.mark.process
 def test_one_panel_per_label_with_anchors(tmp_path):
     """--per-label: a panel per game; an anchor is a dashed grey line in its own game's panel only."""
     runs = [

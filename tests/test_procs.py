@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 import time
 
+import pytest
+
 from impala_async.actors.procs import ActorProcesses
 
 
@@ -31,6 +33,7 @@ def supervise(procs: ActorProcesses, until, timeout_s: float) -> float:
         procs.stop(5.0)
 
 
+@pytest.mark.process
 def test_a_crash_loop_backs_off_and_is_given_up():
     """Exits right after start: restarted after 0.1, 0.2, 0.4 s, then given up at max_restarts 3 (the delays alone
     take 0.7 s, so a supervisor without backoff would be far quicker)."""
@@ -40,6 +43,7 @@ def test_a_crash_loop_backs_off_and_is_given_up():
     assert took >= 0.7
 
 
+@pytest.mark.process
 def test_an_actor_that_ran_long_enough_starts_its_count_over():
     """Exits after 0.3 s of running, with stable_after_s 0.2: each exit is no crash loop, so the delay stays at the
     1st (0.1 s) and max_restarts 3 is never reached; 8 restarts take about 8 x 0.4 s. Counted as failures in a row

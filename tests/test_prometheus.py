@@ -109,6 +109,7 @@ def healthcheck(port: int) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.process
 def test_scrapes_move_while_training_and_rejections_count_by_reason(tmp_path):
     port, mport = free_port_pair(), free_port()
     listen = f"tcp://127.0.0.1:{port}"
@@ -231,6 +232,7 @@ def sabotaged(tmp_path, mode: str, mport: int, *flags: str) -> tuple[subprocess.
     return proc, log
 
 
+@pytest.mark.process
 def test_healthz_turns_503_when_the_training_thread_hangs(tmp_path):
     mport = free_port()
     proc, log = sabotaged(tmp_path, "hang", mport, "--health-stale-s", "2", "--shutdown-timeout-s", "3")
@@ -250,6 +252,7 @@ def test_healthz_turns_503_when_the_training_thread_hangs(tmp_path):
         stop(proc, 20)
 
 
+@pytest.mark.process
 def test_healthz_says_503_when_the_training_thread_dies(tmp_path):
     """The training thread raises: the run stops (exit 1), and /healthz answers 503 naming the failure until the port
     closes at the end of the shutdown; never 200 after the failure."""
@@ -276,6 +279,7 @@ def test_healthz_says_503_when_the_training_thread_dies(tmp_path):
         stop(proc)
 
 
+@pytest.mark.process
 def test_a_taken_metrics_port_is_refused_in_one_line(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -340,6 +344,7 @@ def test_a_resumed_run_serves_where_this_command_says(monkeypatch, tmp_path):
     assert configured(["train", "--resume", str(tmp_path), "--metrics-port", "3333"]).observe.metrics_port == 3333
 
 
+@pytest.mark.process
 def test_actor_supervisor_healthz(tmp_path):
     """Actors heartbeat while they wait for weights, so no learner is needed. The port comes from the environment,
     which the actor processes inherit: they must not try to serve it too (the supervisor would then restart them
@@ -460,6 +465,7 @@ def test_close_stops_serving(small_server):
     assert not httpd.is_loopback("10.1.2.3")
 
 
+@pytest.mark.process
 def test_prometheus_and_metrics_jsonl_agree_under_two_learner_ranks(tmp_path):
     """Both read the same snapshot per report (learner/reports/counters.py), summed over the ranks: every scrape's
     env_steps_total and trajectories_received_total are those of one metrics.jsonl record (or of the snapshot before

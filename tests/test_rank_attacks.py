@@ -24,6 +24,7 @@ import time
 from datetime import timedelta
 
 import attacks_ranks
+import pytest
 from procutil import stop, tail, wait_for
 
 from impala_async.config import LearnerConfig
@@ -149,12 +150,14 @@ def _assert_whole(got: dict) -> None:
     assert not got["traceback"], tail(got["log"], 60)
 
 
+@pytest.mark.process
 def test_a_stranger_with_the_stores_port_cannot_stop_the_ranks(tmp_path):
     got = attacks_ranks.run_attack("stop", workdir=tmp_path, watch_s=10.0)
     assert got["values_written"] >= 1 and got["tokens_from_environ"] == 0, got
     _assert_whole(got)
 
 
+@pytest.mark.process
 def test_an_insiders_malformed_values_are_ignored(tmp_path):
     """The token known (the operator's IMPALA_ASYNC_RANK_TOKEN): every malformed beat and stop, for 3 s. Rank 1's
     own beats are overwritten meanwhile, so that rank 0 hears none: a heartbeat timeout of 20 s keeps it from being
@@ -169,6 +172,7 @@ def test_an_insiders_malformed_values_are_ignored(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- under torchrun
+@pytest.mark.process
 def test_under_torchrun_keys_carry_the_token_and_rank_1_survives_rank_0_going_silent(tmp_path):
     """The test plays torchrun's agent: it hosts the store and starts two learner ranks with the variables torchrun
     sets, and the operator's token."""

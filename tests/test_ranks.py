@@ -124,6 +124,7 @@ def assert_ranks_identical(logdir, ranks: int = 2) -> dict:
     return states[0]
 
 
+@pytest.mark.process
 def test_two_ranks_learn_cartpole_in_lock_step(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
     proc = cli(
@@ -189,6 +190,7 @@ def _free_ports(n: int) -> int:
     raise RuntimeError("no free ports")
 
 
+@pytest.mark.process
 def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
     port = _free_ports(3)  # rank 0, weights, rank 1
     logdir, llog, alog, llog2 = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actors.log", tmp_path / "l2"
@@ -269,6 +271,7 @@ def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
         stop(actors)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL, rank r on cuda:r)")
 def test_two_ranks_on_two_gpus(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"

@@ -67,6 +67,7 @@ def plain(tmp_path_factory, ctx):
 
 
 # ------------------------------------------- 2. every socket bounded (memory first: freed memory is retained)
+@pytest.mark.process
 def test_subscriptions_do_not_grow_memory(plain):
     """Every distinct topic used to be stored (400K held 1.3 GiB); now only the one the learner publishes is, and a
     connection that sends more than 16 subscription messages is closed."""
@@ -81,6 +82,7 @@ def test_subscriptions_do_not_grow_memory(plain):
     assert row["subscriptions_ignored"] > before["subscriptions_ignored"]
 
 
+@pytest.mark.process
 def test_the_weights_socket_refuses_large_frames(plain):
     """No ZMQ_MAXMSGSIZE on the weights socket buffered a 2 GiB frame in full; now 1 KiB is the most it takes."""
     with PeakRss(plain.proc.pid) as rss:
@@ -90,6 +92,7 @@ def test_the_weights_socket_refuses_large_frames(plain):
 
 
 # ----------------------------------------------------------------------------------- 1. parse cost is bounded
+@pytest.mark.process
 def test_a_message_of_millions_of_objects_costs_microseconds(plain, ctx):
     """15 MiB of nested arrays (15.7M objects) where the layout has an integer, a string, a list of episodes or the
     fields map: msgpack.unpackb built the whole tree first (about 10 s of stalled event loop and a GiB per message
@@ -114,6 +117,7 @@ def test_a_message_of_millions_of_objects_costs_microseconds(plain, ctx):
 
 
 # ---------------------------------------------------------------- 2. every socket bounded (continued)
+@pytest.mark.process
 def test_unfinished_multipart_messages_are_cut(plain):
     """Frames that all say 'more follows' stay in libzmq until the last one: two connections held 2 GiB. The guard
     closes a connection holding more than max_unread_bytes_per_connection (24 MiB here)."""
@@ -142,6 +146,7 @@ def test_unfinished_multipart_messages_are_cut(plain):
 
 
 # --------------------------------------------------------------------------------------- 3. no amplification
+@pytest.mark.process
 def test_resubscribing_does_not_multiply_what_subscribers_receive(plain, ctx):
     """50 new subscriptions a second each made the learner re-send its weights to everyone (1,000 copies to an
     honest subscriber in 20 s). Now re-sends are at most one per min_resend_interval_s (1 s), so with weights
@@ -163,6 +168,7 @@ def test_resubscribing_does_not_multiply_what_subscribers_receive(plain, ctx):
 
 
 # --------------------------------------------------------------------------------- 5. one trajectory, no NaN
+@pytest.mark.process
 def test_one_extreme_trajectory_cannot_poison_the_model(plain, ctx):
     """A valid trajectory with a truncation_value of 3e38 turned every weight into NaN, which was published,
     checkpointed and resumed from. Now values from the wire are clipped before the loss."""
@@ -186,6 +192,7 @@ def test_one_extreme_trajectory_cannot_poison_the_model(plain, ctx):
 
 
 # ---------------------------------------------------------- 6. rejected whole; metrics trust nothing claimed
+@pytest.mark.process
 def test_a_rejected_message_counts_nothing_and_its_retry_is_accepted(plain, ctx):
     view = plain.view.refresh()
     s = push(ctx, plain.listen)
@@ -228,6 +235,7 @@ def test_a_rejected_message_counts_nothing_and_its_retry_is_accepted(plain, ctx)
 
 
 # ---------------------------------------------------------------------------------------- 7. stricter types
+@pytest.mark.process
 @pytest.mark.parametrize(
     "what,reason,raw_edit,edit",
     [
@@ -280,6 +288,7 @@ def _nofile(limit: int):
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
 
+@pytest.mark.process
 def test_thousands_of_connections_before_authentication_do_not_end_the_run(tmp_path):
     """1,500 TCP connections that never authenticate (the learner runs under CURVE) and frames claiming 2 GiB before
     any handshake: with a 1024-descriptor limit the old learner's periodic checkpoint failed with EMFILE, the
@@ -325,6 +334,7 @@ def test_thousands_of_connections_before_authentication_do_not_end_the_run(tmp_p
 
 
 # -------------------------------------------- 5 and 8. resume never trusts a checkpoint; 7. the --listen bug
+@pytest.mark.process
 def test_resume_skips_bad_checkpoints_and_publishes_on_the_new_address(tmp_path, ctx):
     logdir, log = tmp_path / "run", tmp_path / "train.log"
     proc = cli(

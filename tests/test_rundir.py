@@ -32,6 +32,7 @@ def _hold(path, ready):
     signal.pause()
 
 
+@pytest.mark.process
 def test_the_kernel_releases_the_lock_of_a_killed_holder(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Event()
@@ -47,6 +48,7 @@ def test_the_kernel_releases_the_lock_of_a_killed_holder(tmp_path):
     RunDirLock(tmp_path).release()  # no stale lock after a SIGKILL
 
 
+@pytest.mark.process
 def test_a_second_learner_is_refused_beside_a_live_one(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "first.log"
     first = cli("train", *SMALL, "--checkpoint-interval-s", "1", "--logdir", str(logdir), log=log)

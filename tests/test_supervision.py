@@ -29,6 +29,7 @@ def steps_grow(logdir, proc, log, by=5, timeout_s=60):
     wait_for(lambda: last(logdir).get("learner_steps", 0) >= start + by, timeout_s, "learner steps to grow", proc, log)
 
 
+@pytest.mark.process
 def test_killed_and_stopped_actors_are_replaced(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
     proc = cli(
@@ -82,6 +83,7 @@ def test_killed_and_stopped_actors_are_replaced(tmp_path):
         stop(proc)
 
 
+@pytest.mark.process
 def test_an_actor_slow_to_build_its_environments_is_not_taken_for_hung(tmp_path):
     """8 environments that take 0.6 s each to build (as 32 ALE games take ~10 s): 4.8 s without a beat, longer than
     --heartbeat-timeout-s 2. The actor announces the step (procs.GRACE), so it is neither killed nor restarted; before
@@ -117,6 +119,7 @@ def test_an_actor_slow_to_build_its_environments_is_not_taken_for_hung(tmp_path)
     assert "silent" not in log.read_text()
 
 
+@pytest.mark.process
 def test_all_actors_gone_exits_nonzero(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
     proc = cli(
@@ -145,6 +148,7 @@ def test_all_actors_gone_exits_nonzero(tmp_path):
         stop(proc)
 
 
+@pytest.mark.process
 def test_learner_without_actors_says_why(tmp_path):
     log = tmp_path / "log"
     port = free_port_pair()
@@ -175,6 +179,7 @@ def _sub(port):
     return sub
 
 
+@pytest.mark.process
 def test_late_subscriber_gets_weights_at_once(tmp_path):
     log = tmp_path / "log"
     port = free_port_pair()
@@ -205,6 +210,7 @@ def test_late_subscriber_gets_weights_at_once(tmp_path):
         stop(proc)
 
 
+@pytest.mark.process
 def test_learner_restart_with_surviving_external_actors(tmp_path):
     port = free_port_pair()
     logdir, llog, alog = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actors.log"
@@ -253,6 +259,7 @@ def test_learner_restart_with_surviving_external_actors(tmp_path):
         stop(actors)
 
 
+@pytest.mark.process
 def test_resume_continues_counters_and_appends_metrics(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
     first = cli("train", *SMALL, "--num-actors", "1", "--total-env-steps", "3000", "--logdir", str(logdir), log=log)
@@ -299,6 +306,7 @@ def _writing(directory) -> bool:
     return False
 
 
+@pytest.mark.process
 def test_kill_during_checkpoint_write_keeps_the_previous(tmp_path):
     checkpoint.save(tmp_path, {"x": torch.arange(5)}, 1)
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])

@@ -13,6 +13,7 @@ from procutil import TINY, cli, finish, read_metrics, tail
 from impala_async.learner.reports import metrics, tboard
 
 
+@pytest.mark.process
 def test_a_run_writes_every_figure_and_the_rho_histogram(tmp_path):
     pytest.importorskip("tensorboard", reason="needs the tensorboard extra: pip install 'impala-async[tensorboard]'")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -84,6 +85,7 @@ def test_rho_histogram_edges():
     ) == {"a": 1.0, "c/d": 2.5}
 
 
+@pytest.mark.process
 def test_without_the_extra_it_says_what_to_install(tmp_path):
     """tensorboard made unimportable: one line naming the pip install, before anything starts."""
     code = (

@@ -107,6 +107,7 @@ NOT_RUN = {
 NEEDS = {"bench_jpeg": ("simplejpeg", "ale_py"), "jpeg_rho": ("simplejpeg", "ale_py")}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("name", sorted(SMALLEST))
 def test_tool_smallest_mode(name):
     for module in NEEDS.get(name, ()):
@@ -123,6 +124,7 @@ def test_tool_smallest_mode(name):
     check(_last_json(out.stdout))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "tools").glob("*.sh")))
 def test_shell_tools_parse(script):
     out = subprocess.run(["bash", "-n", str(ROOT / "tools" / script)], capture_output=True, text=True, timeout=30)

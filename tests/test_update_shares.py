@@ -13,6 +13,7 @@ import pytest
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "update_shares.py"
 
 
+@pytest.mark.process
 def test_the_stages_of_a_real_update_add_up_to_it():
     args = [sys.executable, str(TOOL), "--updates", "3", "--warmup", "1", "--json", "--", "--env", "CartPole-v1"]
     done = subprocess.run(args, capture_output=True, text=True, timeout=120)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 from procutil import cli, finish, read_metrics, tail
 
 from impala_async.config import LearnerConfig
@@ -101,6 +102,7 @@ def test_records_without_updates_are_skipped():
     assert [w.feed(r) for r in recs] == [[]] * 5
 
 
+@pytest.mark.process
 def test_cli_warns_when_a_run_collapses(tmp_path):
     """An absurd learning rate without entropy bonus collapses CartPole's policy within seconds; the console says so
     once per kind (the run is shorter than the minute between repeats) and names the remedies."""
