@@ -1,17 +1,22 @@
 """The real learner server inside the test's own event loop (as uvicorn's tests/utils.py runs its server): its
 configuration resolved as the `learner` command resolves it, real sockets on loopback, the real training thread; no
 process started. For behaviour that needs no second process: a test pushes trajectories and subscribes to weights
-itself."""
+itself, or attaches real actors in threads of its own (:func:`acting`: the acting loop of ``impala-async actor``, its
+own sockets, without the process around it)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import threading
 import time
 
 import torch
 
 from impala_async import cli
+from impala_async.actors import actor
+from impala_async.config.actors import ActorConfig
 from impala_async.config.resolve import resolve
 from impala_async.core import wire
 from impala_async.learner import main as learner_main
@@ -68,3 +73,31 @@ async def until(condition, what: str, timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.01)
+
+
+class _Actor:
+    def __init__(self):
+        self.requested = False  # actor.attach's stop
+        self.code: int | None = None  # its exit code, once it ended
+
+
+@contextlib.contextmanager
+def acting(server, *, index: int = 0, seed: int = 0, join_timeout_s: float = 30.0, **options):
+    """An actor attached to ``server`` in a thread of this process (actors/actor.py ``attach``, with the learner's
+    actor options and ``options`` over them), stopped and joined when the block ends; ``.code`` its exit code."""
+    p = server.parts
+    opts = dataclasses.replace(server.cfg.actors.options(), **options)
+    cfg = ActorConfig(learner=p.listen, weights=p.publish, options=opts, index=index, seed=seed)
+    handle = _Actor()
+
+    def main() -> None:
+        handle.code = actor.attach(cfg, handle)
+
+    thread = threading.Thread(target=main, name=f"actor-{index}", daemon=True)
+    thread.start()
+    try:
+        yield handle
+    finally:
+        handle.requested = True
+        thread.join(join_timeout_s)
+        assert not thread.is_alive(), f"actor {index} did not stop within {join_timeout_s} s"

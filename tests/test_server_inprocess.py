@@ -8,7 +8,7 @@ import time
 
 import zmq
 from helpers import random_arrays
-from inprocess import configuration, serving, until
+from inprocess import acting, configuration, serving, until
 from loopback import pusher, subscriber
 
 from impala_async.core import wire
@@ -55,6 +55,24 @@ def test_pushed_trajectories_are_trained_on_and_newer_weights_published(tmp_path
         asyncio.run(scenario())
     finally:
         ctx.term()
+
+
+def test_a_real_actor_in_a_thread_trains_the_run_to_its_budget(tmp_path):
+    """tests/inprocess.py's acting: the actor's own loop and sockets against the server in this loop, no process."""
+    cfg, spec = configuration(tmp_path, "--unroll-length", "10", "--batch-size", "4", "--total-env-steps", "2000")
+
+    async def scenario():
+        async with serving(cfg, spec) as server:
+            with acting(server, envs_per_actor=4) as actor:
+                await until(lambda: server.stopping(), "the run to end at its budget")
+            p = server.parts
+        assert actor.code == 0
+        assert server.exit_code == 0 and server.exit_reason == "total_env_steps reached"
+        counts = p.ingest.counters()
+        assert counts["trajectories_rejected"] == 0 and counts["episodes"] > 0
+        assert p.trainer.policy_version >= 2000 // 40
+
+    asyncio.run(scenario())
 
 
 async def _receive(sub: zmq.Socket, newer_than: int = -1, timeout_s: float = 30.0) -> bytes:

@@ -34,6 +34,7 @@ log = logging.getLogger("impala_async.actors.actor")
 __all__ = [
     "ActorConfig",
     "HandshakeWatch",
+    "attach",
     "run",
     "weights_address",
 ]
@@ -53,12 +54,18 @@ class _Stop:
 
 
 def run(cfg: ActorConfig) -> int:
-    """Act until SIGINT/SIGTERM (or the parent's death). Returns the exit code (ops/exitcodes.py)."""
+    """An actor process: act until SIGINT/SIGTERM (or the parent's death). Returns the exit code (ops/exitcodes.py)."""
     die_with_parent(cfg.parent_pid)
     stop = _Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     torch.set_num_threads(1)
+    return attach(cfg, stop)
+
+
+def attach(cfg: ActorConfig, stop) -> int:
+    """The actor itself, from its sockets to its exit code: attach to the learner, act until ``stop.requested``.
+    :func:`run` gives it a process of its own; a test may run it in a thread (tests/inprocess.py)."""
     actor_id = f"{socket.gethostname()[:32]}/{os.getpid()}/{secrets.token_hex(4)}"
     ctx = zmq.Context(1)
     sub = ctx.socket(zmq.SUB)
