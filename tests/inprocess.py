@@ -20,6 +20,7 @@ from impala_async.config.actors import ActorConfig
 from impala_async.config.resolve import resolve
 from impala_async.core import wire
 from impala_async.learner import main as learner_main
+from impala_async.learner.checkpoint import resume
 from impala_async.learner.learn import Learner
 from impala_async.learner.ranks import SingleRank
 from impala_async.learner.server import LearnerServer
@@ -27,31 +28,40 @@ from impala_async.learner.server import LearnerServer
 LOOPBACK = "tcp://127.0.0.1:*"  # a free port, chosen at bind
 
 
-def configuration(tmp_path, *flags: str):
-    """(configuration, trajectory spec) of `impala-async learner --env CartPole-v1 FLAGS` on loopback ports that the
-    bind chooses, its logdir under ``tmp_path``."""
-    args = cli.build_parser().parse_args(
-        ["learner", "--env", "CartPole-v1", "--listen", LOOPBACK, "--publish", LOOPBACK]
-        + ["--logdir", str(tmp_path / "run"), *flags]
-    )
-    layered, _ = cli.load_learner_config(args)
+def configuration(tmp_path, *flags: str, env: str = "CartPole-v1"):
+    """(configuration, trajectory spec) of `impala-async learner --env ENV FLAGS` on loopback ports that the bind
+    chooses, its logdir ``tmp_path/run``."""
+    cfg, spec, _ = _configured(["--env", env, "--logdir", str(tmp_path / "run"), *flags])
+    return cfg, spec
+
+
+def resumed(logdir, *flags: str):
+    """(configuration, trajectory spec, checkpoint state) of `impala-async learner --resume LOGDIR FLAGS`: the
+    checkpoint's configuration with ``flags`` over it, its newest good state."""
+    return _configured(["--resume", str(logdir), *flags])
+
+
+def _configured(argv: list[str]):
+    args = cli.build_parser().parse_args(["learner", "--listen", LOOPBACK, "--publish", LOOPBACK, *argv])
+    layered, state = cli.load_learner_config(args)
     spec, probe, _ = learner_main.probe_environment(layered.cfg)
-    return resolve(layered, default_listen=LOOPBACK, probe=probe).cfg, spec
+    return resolve(layered, default_listen=LOOPBACK, probe=probe).cfg, spec, state
 
 
 @contextlib.asynccontextmanager
-async def serving(cfg, spec, *, timeout_s: float = 30.0):
+async def serving(cfg, spec, *, state: dict | None = None, timeout_s: float = 30.0):
     """A LearnerServer serving in this loop until the block ends (then stopped and awaited, exit code in
-    ``server.exit_code``); entered once its receive loop runs."""
-    learner = Learner(cfg, spec, torch.device("cpu"))
-    incarnation = wire.new_incarnation()
+    ``server.exit_code``), restored from a checkpoint's ``state`` (:func:`resumed`) if given; entered once its receive
+    loop runs."""
+    learner, state = resume.restore(lambda: Learner(cfg, spec, torch.device("cpu")), cfg, spec, state)
     server = LearnerServer(
         cfg,
         learner,
         spec,
         learner_main.run_info(cfg, spec, learner, "gymnasium"),
         start_monotonic=time.monotonic(),
-        ranks=SingleRank(incarnation),
+        resumed=state,
+        ranks=SingleRank(wire.new_incarnation(), state),
     )
     task = asyncio.create_task(server.serve())
     deadline = time.monotonic() + timeout_s

@@ -3,10 +3,13 @@ real run whose environments follow the schedule across a resume."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from helpers import CURRICULUM_ENV_STEPS, CURRICULUM_FLAGS
-from procutil import cli, finish, read_metrics, tail
+from inprocess import acting, configuration, resumed, serving, until
+from procutil import read_metrics
 
 from impala_async.actors.envs import make_env, set_difficulty
 from impala_async.config import LearnerConfig
@@ -67,6 +70,7 @@ def test_the_hook_applies_at_the_next_reset():
     assert set_difficulty(cartpole, 2.0) == 2.0  # an environment without the hook ignores it
 
 
+CURRICULUM_ENV = CURRICULUM_FLAGS[CURRICULUM_FLAGS.index("--env") + 1]
 N_STEPS = CURRICULUM_ENV_STEPS  # the ramp, in env steps trained: one one-step episode each
 LAG = 2_000  # env steps (see the test's docstring)
 WINDOW = 100  # episode_return_mean: the last 100 episodes
@@ -77,8 +81,7 @@ def schedule(trained: float) -> float:
     return 0.5 + 1.5 * min(1.0, max(0.0, trained) / N_STEPS)
 
 
-@pytest.mark.process
-def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
+def test_environments_follow_the_schedule_across_a_resume(tmp_path):
     """DifficultyProbe's reward is the difficulty its episode ran at, so ``episode_return_mean`` (the last 100
     episodes) is the schedule seen through the actors. The schedule's clock is ``env_steps_trained`` (T, the
     learner's own count; each step here is an episode). Bounds for a record at T:
@@ -99,18 +102,20 @@ def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
     The run stops early on the ramp and resumes from its checkpoint: the trained count, and with it the schedule,
     continues.
     """
+    flags = _learner_flags()
     logdir = tmp_path / "run"
-    flags = list(CURRICULUM_FLAGS)
-    for i, (args, budget) in enumerate(
-        [(flags + ["--logdir", str(logdir)], 3_000), (["--resume", str(logdir)], N_STEPS + WINDOW + LAG)]
-    ):
-        log = tmp_path / f"log{i}"
-        proc = cli("train", *args, "--total-env-steps", str(budget), log=log)
-        finish(proc, log, 120)
-        if i == 0:
-            first_run = len(read_metrics(logdir))
+
+    async def scenario() -> int:
+        cfg, spec = configuration(tmp_path, *flags, "--total-env-steps", "3000", env=CURRICULUM_ENV)
+        await _run(cfg, spec)
+        first_run = len(read_metrics(logdir))
+        cfg, spec, state = resumed(logdir, "--total-env-steps", str(N_STEPS + WINDOW + LAG))
+        await _run(cfg, spec, state)
+        return first_run
+
+    first_run = asyncio.run(scenario())
     rows = [r for r in read_metrics(logdir) if r["episode_return_mean"] is not None]
-    assert rows, tail(log)
+    assert rows
     ramp = [r for r in rows if r["env_steps_trained"] < N_STEPS]
     assert len(ramp) >= 4, [(r["env_steps_trained"], r["episode_return_mean"]) for r in rows]
     for r in rows:
@@ -120,8 +125,27 @@ def test_cli_environments_follow_the_schedule_across_a_resume(tmp_path):
         if t >= N_STEPS + WINDOW + LAG:
             assert seen == 2.0, (t, seen)
     assert rows[-1]["env_steps_trained"] >= N_STEPS + WINDOW + LAG
-    resumed = read_metrics(logdir)[first_run:]
+    after = read_metrics(logdir)[first_run:]
     before = read_metrics(logdir)[first_run - 1]
     assert before["difficulty"] > 0.6  # stopped on the way up (or past it) ...
-    assert resumed[0]["env_steps_trained"] >= before["env_steps_trained"]  # ... and resumed the count,
-    assert resumed[0]["difficulty"] >= before["difficulty"]  # and the schedule with it, not from its start
+    assert after[0]["env_steps_trained"] >= before["env_steps_trained"]  # ... and resumed the count,
+    assert after[0]["difficulty"] >= before["difficulty"]  # and the schedule with it, not from its start
+
+
+def _learner_flags() -> list[str]:
+    """CURRICULUM_FLAGS for the learner alone: the environment and the actors' options are the test's to give."""
+    flags, skip = [], {"--env", "--num-actors", "--envs-per-actor"}
+    it = iter(CURRICULUM_FLAGS)
+    for flag in it:
+        value = next(it)
+        if flag not in skip:
+            flags += [flag, value]
+    return flags
+
+
+async def _run(cfg, spec, state=None) -> None:
+    """The learner in this loop with one real actor of 4 environments in a thread, until the budget ends the run."""
+    async with serving(cfg, spec, state=state) as server:
+        with acting(server, envs_per_actor=4) as actor:
+            await until(server.stopping, "the run to end at its budget", timeout_s=120)
+    assert server.exit_code == 0 and actor.code == 0, server.exit_reason
