@@ -278,7 +278,6 @@ def test_refuses_a_key_file_that_is_a_symbolic_link(key_dirs, tmp_path, name):
     )
 
 
-@pytest.mark.process
 def test_refusals_are_value_errors_and_os_errors(key_dirs):
     """The CLI turns both into a one-line exit; ``keygen``'s caller catches only ValueError (and FileExistsError)."""
     (key_dirs.learner / "learner.key_secret").chmod(0o640)

@@ -2,14 +2,16 @@
 run, rebuilt; a run they cannot act in, one line and exit code RUN_CHANGED. Never an uncaught exception, never messages
 rejected forever."""
 
+import asyncio
+import contextlib
 import logging
-import signal
 import time
 
+import inprocess
 import numpy as np
 import pytest
 import zmq
-from procutil import cli, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import cli, free_port_pair, stop, tail, wait_for
 
 from impala_async.actors import actor
 from impala_async.actors.acting import MAX_WEIGHTS_BYTES, Acting
@@ -68,7 +70,6 @@ def acting():
 
 
 # ------------------------------------------------------------------------------------------------ in process
-@pytest.mark.process
 def test_the_same_incarnation_with_mismatched_tensors_is_ignored_with_a_warning(acting, caplog):
     before = {k: v.clone() for k, v in acting.run.policy.model.state_dict().items()}
     good = weights(run_info(), version=2)
@@ -86,7 +87,6 @@ def test_the_same_incarnation_with_mismatched_tensors_is_ignored_with_a_warning(
     assert acting.take(good) is None and acting.run.policy.version == 2  # a good one afterwards is taken
 
 
-@pytest.mark.process
 def test_a_new_run_is_rebuilt_and_the_environments_kept_when_they_serve(acting, caplog):
     envs = acting.run.envs
     acting.run.state = "stale"  # the recurrent state must be fresh
@@ -111,7 +111,6 @@ def test_a_new_run_is_rebuilt_and_the_environments_kept_when_they_serve(acting, 
     assert acting.run is kept and (kept.policy.version, kept.policy.incarnation) == (9, 15)
 
 
-@pytest.mark.process
 def test_a_new_run_this_actor_cannot_act_in_ends_it_with_run_changed(acting, caplog):
     msg = weights(run_info("NoSuchEnvironment-v0"), incarnation=12)
     with pytest.raises(RunError) as e:
@@ -169,51 +168,33 @@ def test_an_actor_that_cannot_follow_a_restart_exits_with_run_changed(tmp_path):
         ctx.destroy(0)
 
 
-@pytest.mark.process
-def test_an_actor_follows_a_restarted_learner_with_another_network_and_unroll_length(tmp_path):
+def test_an_actor_follows_a_restarted_learner_with_another_network_and_unroll_length(tmp_path, caplog):
     """The learner is stopped and a fresh one started at the same address with another network and unroll length:
-    the same actor process acts in the new run, and the new learner rejects none of its messages."""
+    the same actor acts in the new run, and the new learner rejects none of its messages. Both learners serve in this
+    test's loop, the actor in a thread (tests/inprocess.py)."""
     port = free_port_pair()
-    address = f"tcp://127.0.0.1:{port}"
-    common = ["--env", "CartPole-v1", "--listen", address, "--batch-size", "2", "--report-interval-s", "0.3"]
-    learner = cli("learner", *common, "--unroll-length", "10", "--logdir", str(tmp_path / "a"), log=tmp_path / "a.log")
-    actor_log = tmp_path / "actor.log"
-    proc = None
-    try:
-        wait_for(lambda: "listening" in (tmp_path / "a.log").read_text(), 60, "learner a", learner, tmp_path / "a.log")
-        proc = cli("actor", "--learner", address, "--envs-per-actor", str(K), log=actor_log)
+    common = ["--listen", f"tcp://127.0.0.1:{port}", "--publish", f"tcp://127.0.0.1:{port + 1}"]
+    common += ["--batch-size", "2", "--report-interval-s", "0.3"]
+    caplog.set_level(logging.INFO, logger="impala_async.actors")
 
-        def a_received():
-            return any(r["trajectories_received"] > 0 for r in read_metrics(tmp_path / "a"))
+    async def scenario():
+        with contextlib.ExitStack() as stack:  # the actor outlives learner a
+            cfg, spec = inprocess.configuration(tmp_path / "a", *common, "--unroll-length", "10")
+            async with inprocess.serving(cfg, spec) as a:
+                actor = stack.enter_context(inprocess.acting(a, envs_per_actor=K))
+                received = a.parts.ingest.counters
+                await inprocess.until(lambda: received()["trajectories_received"] > 0, "learner a's trajectories")
+            changed = ("--unroll-length", "7", "--hidden-sizes", "32")
+            cfg, spec = inprocess.configuration(tmp_path / "b", *common, *changed)
+            async with inprocess.serving(cfg, spec) as b:
+                # Ten messages in (what the actor had queued from the old run would have come first): none rejected.
+                received = b.parts.ingest.counters
+                await inprocess.until(lambda: received()["messages_received"] >= 10, "10 messages for learner b")
+                counts = received()
+                assert actor.code is None  # the same actor all along
+        assert counts["trajectories_received"] > 0 and counts["messages_rejected"] == 0, counts
 
-        wait_for(a_received, 60, "learner a to receive trajectories", proc, actor_log)
-        learner.send_signal(signal.SIGTERM)
-        assert learner.wait(30) == 0, tail(tmp_path / "a.log")
-        learner = cli(
-            "learner",
-            *common,
-            "--unroll-length",
-            "7",
-            "--hidden-sizes",
-            "32",
-            "--logdir",
-            str(tmp_path / "b"),
-            log=tmp_path / "b.log",
-        )
-        # Ten messages in (what the actor had queued from the old run would have come first): none rejected.
-        last = wait_for(
-            lambda: [r for r in read_metrics(tmp_path / "b") if r["messages_received"] >= 10][-1:],
-            60,
-            "learner b to receive 10 messages",
-            proc,
-            actor_log,
-        )[0]
-        assert last["trajectories_received"] > 0 and last["messages_rejected"] == 0, (last, tail(actor_log))
-        assert proc.poll() is None, tail(actor_log)  # the same actor process all along
-        text = actor_log.read_text()
-        assert "with another run (spec.unroll_length 10 -> 7; model.hidden_sizes [64, 64] -> [32])" in text, text
-        assert text.count("actor 0 (") == 1 and "Traceback" not in text, text
-    finally:
-        stop(learner)
-        if proc is not None:
-            stop(proc)
+    asyncio.run(scenario())
+    text = caplog.text
+    assert "with another run (spec.unroll_length 10 -> 7; model.hidden_sizes [64, 64] -> [32])" in text, text
+    assert text.count("actor 0 (") == 1 and "Traceback" not in text, text
