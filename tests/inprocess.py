@@ -37,12 +37,15 @@ def configuration(tmp_path, *flags: str, env: str = "CartPole-v1"):
 
 def resumed(logdir, *flags: str):
     """(configuration, trajectory spec, checkpoint state) of `impala-async learner --resume LOGDIR FLAGS`: the
-    checkpoint's configuration with ``flags`` over it, its newest good state."""
+    checkpoint's configuration with ``flags`` over it, its newest good state (those that fail set aside)."""
     return _configured(["--resume", str(logdir), *flags])
 
 
 def _configured(argv: list[str]):
-    args = cli.build_parser().parse_args(["learner", "--listen", LOOPBACK, "--publish", LOOPBACK, *argv])
+    """Both sockets on loopback ports the bind chooses, unless ``argv`` gives --listen (--publish then defaults to
+    its port + 1, as for the command)."""
+    ports = [] if "--listen" in argv else ["--listen", LOOPBACK, "--publish", LOOPBACK]
+    args = cli.build_parser().parse_args(["learner", *ports, *argv])
     layered, state = cli.load_learner_config(args)
     spec, probe, _ = learner_main.probe_environment(layered.cfg)
     return resolve(layered, default_listen=LOOPBACK, probe=probe).cfg, spec, state

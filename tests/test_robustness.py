@@ -9,6 +9,8 @@ bad checkpoints. Every test here fails on the code before these defences (commit
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import resource
 import shutil
@@ -18,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import inprocess
 import numpy as np
 import pytest
 import torch
@@ -35,7 +38,7 @@ from attacks import (
     tree_message,
     unfinished_multipart,
 )
-from procutil import TINY, LearnerProcess, cli, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import LearnerProcess, free_port_pair, read_metrics, tail, wait_for
 
 from impala_async.learner import checkpoint
 
@@ -334,21 +337,22 @@ def test_thousands_of_connections_before_authentication_do_not_end_the_run(tmp_p
 
 
 # -------------------------------------------- 5 and 8. resume never trusts a checkpoint; 7. the --listen bug
-@pytest.mark.process
-def test_resume_skips_bad_checkpoints_and_publishes_on_the_new_address(tmp_path, ctx):
-    logdir, log = tmp_path / "run", tmp_path / "train.log"
-    proc = cli(
-        "train",
-        *TINY,
-        "--envs-per-actor",
-        "2",
-        "--total-env-steps",
-        "2000",
-        "--logdir",
-        str(logdir),
-        log=log,
+def test_resume_skips_bad_checkpoints_and_publishes_on_the_new_address(tmp_path, ctx, caplog):
+    """A run's good checkpoint and three newer bad ones (NaN weights, malformed, over --max-checkpoint-bytes): the
+    resume sets each aside with a warning, restores the good one and publishes on the --listen it is given (its port
+    + 1), not the run's. The learners serve in this test's loop (tests/inprocess.py)."""
+    logdir = tmp_path / "run"
+    cfg, spec = inprocess.configuration(
+        tmp_path, "--batch-size", "4", "--unroll-length", "10", "--total-env-steps", "2000"
     )
-    assert proc.wait(120) == 0, tail(log)
+
+    async def train():
+        async with inprocess.serving(cfg, spec) as server:
+            with inprocess.acting(server, envs_per_actor=2):
+                await inprocess.until(server.stopping, "the run to end at its budget", timeout_s=120)
+        assert server.exit_code == 0, server.exit_reason
+
+    asyncio.run(train())
     (good,) = checkpoint.list_checkpoints(logdir)
     state = torch.load(good, weights_only=True)
     steps = int(good.name[len("checkpoint-") : -len(".pt")])
@@ -365,27 +369,23 @@ def test_resume_skips_bad_checkpoints_and_publishes_on_the_new_address(tmp_path,
     big = {**state, "padding": torch.zeros(1 << 20)}  # 4 MiB: over --max-checkpoint-bytes below
     torch.save(big, checkpoint.checkpoint_path(logdir, steps + 30))
     port = free_port_pair()
-    log2 = tmp_path / "resume.log"
-    resumed = cli(
-        "learner",
-        "--resume",
-        str(logdir),
-        "--listen",
-        f"tcp://127.0.0.1:{port}",
-        "--max-checkpoint-bytes",
-        str(2 * MIB),
-        log=log2,
+    caplog.set_level(logging.INFO, logger="impala_async.learner")
+    cfg, spec, restored = inprocess.resumed(
+        logdir, "--listen", f"tcp://127.0.0.1:{port}", "--max-checkpoint-bytes", str(2 * MIB)
     )
-    try:
-        view = LearnerView(ctx, f"tcp://127.0.0.1:{port + 1}")  # the new --listen's port + 1, not the old run's
-        view.refresh(30)
-        assert view.weights_finite()
-        view.close()
-        text = log2.read_text()
-        assert len(re.findall(r"skipping checkpoint", text)) == 3, text
-        assert f"resumed at {steps} env steps" in text, text
-    finally:
-        stop(resumed)
+
+    async def resume():
+        async with inprocess.serving(cfg, spec, state=restored):
+            view = LearnerView(ctx, f"tcp://127.0.0.1:{port + 1}")  # the new --listen's port + 1, not the old run's
+            try:
+                await asyncio.to_thread(view.refresh, 30)
+                assert view.weights_finite()
+            finally:
+                view.close()
+
+    asyncio.run(resume())
+    assert len(re.findall(r"skipping checkpoint", caplog.text)) == 3, caplog.text
+    assert f"resumed at {steps} env steps" in caplog.text, caplog.text
     # The good checkpoint survives (the bad ones, renamed NAME.bad, no longer count among the newest to keep).
     assert [p.name for p in checkpoint.list_checkpoints(logdir)] == [good.name]
     assert len(list(logdir.glob("checkpoint-*.pt.bad"))) == 3
