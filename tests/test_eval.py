@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -10,10 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import inprocess
 import numpy as np
 import pytest
-from procutil import cli as start_cli
-from procutil import stop, tail
 
 from impala_async import cli, evaluate
 from impala_async.actors.envs import frame_stack_of, make_env
@@ -26,30 +26,26 @@ from impala_async.ops import video
 imageio = pytest.importorskip("imageio.v2", reason="the video tests need imageio: pip install -e '.[video]'")
 
 IMAGE_ENV = "impala_async.actors.envs:ImageBandit-v0"
-TINY = ["--num-actors", "1", "--envs-per-actor", "4", "--unroll-length", "10", "--batch-size", "4"]
+LEARNER = ["--unroll-length", "10", "--batch-size", "4"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Run directories: "cartpole" trained for 3000 steps by the real CLI, and "image", the image bandit's checkpoint
-    in the layout a real run writes: the CartPole one with the bandit's configuration, spec and (untrained) network,
-    as the learner builds them (training a second run would double this file's time)."""
+    """Run directories: "cartpole" trained for 3000 steps (the learner in this process's loop, a real actor in a
+    thread: tests/inprocess.py), and "image", the image bandit's checkpoint in the layout a real run writes: the
+    CartPole one with the bandit's configuration, spec and (untrained) network, as the learner builds them (training a
+    second run would double this file's time)."""
     root = tmp_path_factory.mktemp("eval-runs")
-    proc = start_cli(
-        "train",
-        "--env",
-        "CartPole-v1",
-        *TINY,
-        "--total-env-steps",
-        "3000",
-        "--logdir",
-        str(root / "cartpole"),
-        log=root / "train.log",
-    )
-    try:
-        assert proc.wait(120) == 0, tail(root / "train.log")
-    finally:
-        stop(proc)
+    flags = ("--total-env-steps", "3000", "--logdir", str(root / "cartpole"))
+    cfg, spec = inprocess.configuration(root, *LEARNER, *flags)
+
+    async def train():
+        async with inprocess.serving(cfg, spec) as server:
+            with inprocess.acting(server, envs_per_actor=4):
+                await inprocess.until(server.stopping, "the run to end at its budget", timeout_s=120)
+        assert server.exit_code == 0, server.exit_reason
+
+    asyncio.run(train())
     state, _ = checkpoint.load_latest(root / "cartpole", validate=checkpoint.validate_learner_state)
     env = make_env(IMAGE_ENV)
     spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, 10, frame_stack=frame_stack_of(env))
@@ -211,7 +207,6 @@ def test_gif_without_ffmpeg_and_one_line_without_imageio(monkeypatch, tmp_path):
         video.VideoWriter(tmp_path, fps=10, max_frames=3)
 
 
-@pytest.mark.process
 def test_refusals_and_the_step_bound(runs, tmp_path):
     with pytest.raises(evaluate.EvalError, match="no usable checkpoint"):
         evaluate.load_state(tmp_path, 1 << 30)
