@@ -114,3 +114,13 @@ def acting(server, *, index: int = 0, seed: int = 0, join_timeout_s: float = 30.
         handle.requested = True
         thread.join(join_timeout_s)
         assert not thread.is_alive(), f"actor {index} did not stop within {join_timeout_s} s"
+
+
+async def train(cfg, spec, *, state: dict | None = None, envs_per_actor: int = 4, timeout_s: float = 120.0):
+    """What `impala-async train` does with one local actor, in this loop: serve (from a checkpoint's ``state`` if
+    given) with a real actor in a thread until the run ends at its budget; the server, stopped (exit code 0)."""
+    async with serving(cfg, spec, state=state) as server:
+        with acting(server, envs_per_actor=envs_per_actor) as actor:
+            await until(server.stopping, "the run to end at its budget", timeout_s=timeout_s)
+    assert server.exit_code == 0 and actor.code == 0, server.exit_reason
+    return server

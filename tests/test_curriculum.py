@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 from helpers import CURRICULUM_ENV_STEPS, CURRICULUM_FLAGS
-from inprocess import acting, configuration, resumed, serving, until
+from inprocess import configuration, resumed, train
 from procutil import read_metrics
 
 from impala_async.actors.envs import make_env, set_difficulty
@@ -107,10 +107,10 @@ def test_environments_follow_the_schedule_across_a_resume(tmp_path):
 
     async def scenario() -> int:
         cfg, spec = configuration(tmp_path, *flags, "--total-env-steps", "3000", env=CURRICULUM_ENV)
-        await _run(cfg, spec)
+        await train(cfg, spec)
         first_run = len(read_metrics(logdir))
         cfg, spec, state = resumed(logdir, "--total-env-steps", str(N_STEPS + WINDOW + LAG))
-        await _run(cfg, spec, state)
+        await train(cfg, spec, state=state)
         return first_run
 
     first_run = asyncio.run(scenario())
@@ -141,11 +141,3 @@ def _learner_flags() -> list[str]:
         if flag not in skip:
             flags += [flag, value]
     return flags
-
-
-async def _run(cfg, spec, state=None) -> None:
-    """The learner in this loop with one real actor of 4 environments in a thread, until the budget ends the run."""
-    async with serving(cfg, spec, state=state) as server:
-        with acting(server, envs_per_actor=4) as actor:
-            await until(server.stopping, "the run to end at its budget", timeout_s=120)
-    assert server.exit_code == 0 and actor.code == 0, server.exit_reason

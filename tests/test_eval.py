@@ -39,13 +39,7 @@ def runs(tmp_path_factory):
     flags = ("--total-env-steps", "3000", "--logdir", str(root / "cartpole"))
     cfg, spec = inprocess.configuration(root, *LEARNER, *flags)
 
-    async def train():
-        async with inprocess.serving(cfg, spec) as server:
-            with inprocess.acting(server, envs_per_actor=4):
-                await inprocess.until(server.stopping, "the run to end at its budget", timeout_s=120)
-        assert server.exit_code == 0, server.exit_reason
-
-    asyncio.run(train())
+    asyncio.run(inprocess.train(cfg, spec))
     state, _ = checkpoint.load_latest(root / "cartpole", validate=checkpoint.validate_learner_state)
     env = make_env(IMAGE_ENV)
     spec = TrajectorySpec.from_spaces(env.observation_space, env.action_space, 10, frame_stack=frame_stack_of(env))

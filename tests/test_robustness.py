@@ -346,13 +346,7 @@ def test_resume_skips_bad_checkpoints_and_publishes_on_the_new_address(tmp_path,
         tmp_path, "--batch-size", "4", "--unroll-length", "10", "--total-env-steps", "2000"
     )
 
-    async def train():
-        async with inprocess.serving(cfg, spec) as server:
-            with inprocess.acting(server, envs_per_actor=2):
-                await inprocess.until(server.stopping, "the run to end at its budget", timeout_s=120)
-        assert server.exit_code == 0, server.exit_reason
-
-    asyncio.run(train())
+    asyncio.run(inprocess.train(cfg, spec, envs_per_actor=2))
     (good,) = checkpoint.list_checkpoints(logdir)
     state = torch.load(good, weights_only=True)
     steps = int(good.name[len("checkpoint-") : -len(".pt")])

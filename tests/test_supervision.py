@@ -1,11 +1,13 @@
 """Crashes, hangs, restarts and checkpoints, with real processes: the learner must keep training or fail clearly."""
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import inprocess
 import psutil
 import pytest
 import torch
@@ -179,35 +181,28 @@ def _sub(port):
     return sub
 
 
-@pytest.mark.process
 def test_late_subscriber_gets_weights_at_once(tmp_path):
-    log = tmp_path / "log"
+    """A subscriber that joins a second after the first publication gets the weights at once, long before the
+    republish interval: its subscription triggers them. The learner serves in this test's loop."""
     port = free_port_pair()
-    proc = cli(
-        "learner",
-        *LEARNER,
-        "--listen",
-        f"tcp://127.0.0.1:{port}",
-        "--logdir",
-        str(tmp_path / "run"),
-        "--republish-interval-s",
-        "30",
-        log=log,
+    cfg, spec = inprocess.configuration(
+        tmp_path, *LEARNER, "--listen", f"tcp://127.0.0.1:{port}", "--republish-interval-s", "30"
     )
-    sub = None
-    try:
-        wait_for(lambda: "listening" in log.read_text(), 60, "learner start", proc, log)
-        time.sleep(1.0)  # join late on purpose: the first publication is long gone
-        sub = _sub(port)
-        t0 = time.monotonic()
-        assert sub.poll(3000), "no weights within 3 s"
-        assert time.monotonic() - t0 < 1.5  # long before the 30 s republish interval: the subscription triggered it
-        msg = wire.decode_weights(sub.recv(), 1 << 30)
-        assert msg.version == 0 and msg.run_info["env_id"] == "CartPole-v1"
-    finally:
-        if sub is not None:
-            sub.close(0)
-        stop(proc)
+
+    async def scenario():
+        async with inprocess.serving(cfg, spec):
+            await asyncio.sleep(1.0)  # join late on purpose: the first publication is long gone
+            sub = _sub(port)
+            try:
+                t0 = time.monotonic()
+                assert await asyncio.to_thread(sub.poll, 3000), "no weights within 3 s"
+                assert time.monotonic() - t0 < 1.5  # long before the 30 s republish interval
+                return wire.decode_weights(sub.recv(), 1 << 30)
+            finally:
+                sub.close(0)
+
+    msg = asyncio.run(scenario())
+    assert msg.version == 0 and msg.run_info["env_id"] == "CartPole-v1"
 
 
 @pytest.mark.process
@@ -259,15 +254,16 @@ def test_learner_restart_with_surviving_external_actors(tmp_path):
         stop(actors)
 
 
-@pytest.mark.process
 def test_resume_continues_counters_and_appends_metrics(tmp_path):
-    logdir, log = tmp_path / "run", tmp_path / "log"
-    first = cli("train", *SMALL, "--num-actors", "1", "--total-env-steps", "3000", "--logdir", str(logdir), log=log)
-    assert first.wait(120) == 0, tail(log)
+    """A resume (configured as `train --resume` configures it) continues the counters and appends to metrics.jsonl,
+    with the first run's configuration. The learner serves in this test's loop, a real actor in a thread."""
+    logdir = tmp_path / "run"
+    cfg, spec = inprocess.configuration(tmp_path, *LEARNER, "--total-env-steps", "3000")
+    asyncio.run(inprocess.train(cfg, spec))
     rows1 = read_metrics(logdir)
     end1 = rows1[-1]
-    second = cli("train", "--resume", str(logdir), "--total-env-steps", "6000", log=tmp_path / "log2")
-    assert second.wait(120) == 0, tail(tmp_path / "log2")
+    cfg, spec, state = inprocess.resumed(logdir, "--total-env-steps", "6000")
+    asyncio.run(inprocess.train(cfg, spec, state=state))
     rows2 = read_metrics(logdir)
     assert rows2[: len(rows1)] == rows1  # appended, not rewritten
     new = rows2[len(rows1) :]
