@@ -8,6 +8,7 @@ the code before these fixes (e6af78d, and the issue-14 main it was measured on).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import stat
@@ -15,11 +16,12 @@ import subprocess
 import sys
 import time
 
+import inprocess
 import msgpack
 import pytest
 from attacks import LearnerView, message, push
 from helpers import random_arrays
-from procutil import TINY, LearnerProcess, cli, finish, free_port_pair, read_metrics, stop, wait_for
+from procutil import TINY, LearnerProcess, cli, finish, free_port_pair, read_metrics
 
 from impala_async.core import wire
 from impala_async.learner.pacing import Pacer
@@ -212,54 +214,42 @@ def test_one_large_message_does_not_raise_the_pace_target_for_the_run():
 
 
 # --------------------------------------------------------------------------------- 8. JPEG only when asked for
-@pytest.mark.process
 def test_a_learner_that_asked_for_lz4_refuses_jpeg(tmp_path, ctx):
     """JPEG costs about 6x LZ4 to decode: a learner decodes it only under --obs-codec jpeg. Before: any peer's JPEG
-    was decoded (10,241 accepted by a learner that asked for LZ4)."""
+    was decoded (10,241 accepted by a learner that asked for LZ4). The learner serves in this test's loop."""
     pytest.importorskip("simplejpeg", reason="the jpeg extra")
     port = free_port_pair()
-    listen, logdir, log = f"tcp://127.0.0.1:{port}", tmp_path / "run", tmp_path / "learner.log"
-    proc = cli(
-        "learner",
-        "--env",
-        "impala_async.actors.envs:PongLike-v0",
-        "--unroll-length",
-        "4",
-        "--listen",
-        listen,
-        "--report-interval-s",
-        "0.25",
-        "--logdir",
-        str(logdir),
-        log=log,
+    listen = f"tcp://127.0.0.1:{port}"
+    cfg, spec = inprocess.configuration(
+        tmp_path, "--unroll-length", "4", "--listen", listen, env="impala_async.actors.envs:PongLike-v0"
     )
-    view = LearnerView(ctx, f"tcp://127.0.0.1:{port + 1}")
-    sock = push(ctx, listen)
-    try:
-        view.refresh(60)
-        data = wire.encode_trajectories(
-            view.spec,
-            actor_id="jpeg",
-            seq=0,
-            policy_version=view.version,
-            incarnation=view.incarnation,
-            arrays=random_arrays(view.spec, 1),
-            image_codec="jpeg",
-        )
-        assert msgpack.unpackb(data)["fields"][view.spec.fields[0].name]["codec"] == "jpeg"
-        sock.send(data)
-        row = wait_for(
-            lambda: (rows := read_metrics(logdir)) and rows[-1]["messages_received"] >= 1 and rows[-1],
-            30,
-            "the message to be read",
-            proc,
-            log,
-        )
-        assert row["rejected_bad_field"] == 1 and row["trajectories_received"] == 0, row
-    finally:
-        sock.close(0)
-        view.close()
-        stop(proc)
+
+    async def scenario():
+        async with inprocess.serving(cfg, spec) as server:
+            view = LearnerView(ctx, f"tcp://127.0.0.1:{port + 1}")
+            sock = push(ctx, listen)
+            try:
+                await asyncio.to_thread(view.refresh, 60)
+                data = wire.encode_trajectories(
+                    view.spec,
+                    actor_id="jpeg",
+                    seq=0,
+                    policy_version=view.version,
+                    incarnation=view.incarnation,
+                    arrays=random_arrays(view.spec, 1),
+                    image_codec="jpeg",
+                )
+                assert msgpack.unpackb(data)["fields"][view.spec.fields[0].name]["codec"] == "jpeg"
+                sock.send(data)
+                counters = server.parts.ingest.counters
+                await inprocess.until(lambda: counters()["messages_received"] >= 1, "the message to be read")
+                return counters()
+            finally:
+                sock.close(0)
+                view.close()
+
+    row = asyncio.run(scenario())
+    assert row["rejected_bad_field"] == 1 and row["trajectories_received"] == 0, row
 
 
 # ------------------------------------------------------------------------------------------ 7. files, errors
@@ -312,35 +302,17 @@ def test_the_logdir_and_the_checkpoints_are_private(tmp_path):
 
 
 # --------------------------------------------------------------------------- 9. the limits an actor must keep
-@pytest.mark.process
 def test_actors_keep_the_episode_limit_the_learner_sends(tmp_path):
     """run.max_episodes_per_message is sent, and the actor sends few enough trajectories per message that their
     steps cannot end more episodes. One-step episodes, 4 environments of 10 steps, at most 20 episodes a message: 2
     trajectories a message. Before: the limit was not sent, every 40-episode message was rejected and nothing
-    trained."""
-    logdir, log = tmp_path / "run", tmp_path / "train.log"
-    proc = cli(
-        "train",
-        "--env",
-        "impala_async.actors.envs:ImageBandit-v0",
-        "--num-actors",
-        "1",
-        "--envs-per-actor",
-        "4",
-        "--unroll-length",
-        "10",
-        "--batch-size",
-        "4",
-        "--max-episodes-per-message",
-        "20",
-        "--total-env-steps",
-        "800",
-        "--logdir",
-        str(logdir),
-        log=log,
+    trained. The learner serves in this test's loop, the actor in a thread."""
+    flags = ["--unroll-length", "10", "--batch-size", "4", "--max-episodes-per-message", "20"]
+    cfg, spec = inprocess.configuration(
+        tmp_path, *flags, "--total-env-steps", "800", env="impala_async.actors.envs:ImageBandit-v0"
     )
-    finish(proc, log, 180)
-    last = read_metrics(logdir)[-1]
+    asyncio.run(inprocess.train(cfg, spec, envs_per_actor=4))
+    last = read_metrics(tmp_path / "run")[-1]
     assert last["messages_rejected"] == 0 and last["env_steps_trained"] >= 800, last
     assert last["episodes"] == last["env_steps"], last  # every step ended an episode, and each was counted
 
