@@ -100,20 +100,27 @@ def acting(server, *, index: int = 0, seed: int = 0, join_timeout_s: float = 30.
     actor options and ``options`` over them), stopped and joined when the block ends; ``.code`` its exit code."""
     p = server.parts
     opts = dataclasses.replace(server.cfg.actors.options(), **options)
-    cfg = ActorConfig(learner=p.listen, weights=p.publish, options=opts, index=index, seed=seed)
+    with actor_thread(ActorConfig(p.listen, p.publish, opts, index=index, seed=seed), join_timeout_s) as handle:
+        yield handle
+
+
+@contextlib.contextmanager
+def actor_thread(cfg: ActorConfig, join_timeout_s: float = 30.0):
+    """``impala-async actor``'s actor (``attach``) for ``cfg`` in a thread of this process, attached to whatever
+    listens at ``cfg.learner``; stopped and joined when the block ends, ``.code`` its exit code (None while it acts)."""
     handle = _Actor()
 
     def main() -> None:
         handle.code = actor.attach(cfg, handle)
 
-    thread = threading.Thread(target=main, name=f"actor-{index}", daemon=True)
+    thread = threading.Thread(target=main, name=f"actor-{cfg.index}", daemon=True)
     thread.start()
     try:
         yield handle
     finally:
         handle.requested = True
         thread.join(join_timeout_s)
-        assert not thread.is_alive(), f"actor {index} did not stop within {join_timeout_s} s"
+        assert not thread.is_alive(), f"actor {cfg.index} did not stop within {join_timeout_s} s"
 
 
 async def train(cfg, spec, *, state: dict | None = None, envs_per_actor: int = 4, timeout_s: float = 120.0):

@@ -11,7 +11,7 @@ import inprocess
 import numpy as np
 import pytest
 import zmq
-from procutil import cli, free_port_pair, stop, tail, wait_for
+from procutil import free_port_pair
 
 from impala_async.actors import actor
 from impala_async.actors.acting import MAX_WEIGHTS_BYTES, Acting
@@ -135,36 +135,33 @@ def test_a_new_run_this_actor_cannot_act_in_ends_it_with_run_changed(acting, cap
 
 
 # --------------------------------------------------------------------------------------------- real processes
-@pytest.mark.process
-def test_an_actor_that_cannot_follow_a_restart_exits_with_run_changed(tmp_path):
-    """A fake learner (sockets in this process) runs CartPole, then restarts as a run the actor cannot build: the
-    actor process exits with RUN_CHANGED and one ERROR line, no traceback."""
-    port, log = free_port_pair(), tmp_path / "actor.log"
+def test_an_actor_that_cannot_follow_a_restart_exits_with_run_changed(caplog):
+    """A fake learner (sockets in this test) runs CartPole, then restarts as a run the actor cannot build: the actor
+    (``impala-async actor``'s, in a thread: tests/inprocess.py) ends with RUN_CHANGED and one ERROR line, no
+    traceback."""
+    port = free_port_pair()
     ctx = zmq.Context()
     pub, pull = ctx.socket(zmq.PUB), ctx.socket(zmq.PULL)
     pub.bind(f"tcp://127.0.0.1:{port + 1}")
     pull.bind(f"tcp://127.0.0.1:{port}")
     good = wire.encode_weights(1, weights(run_info()).tensors, run_info(), 21)
     bad = wire.encode_weights(1, weights(run_info()).tensors, run_info("NoSuchEnvironment-v0"), 22)
-    proc = cli("actor", "--learner", f"tcp://127.0.0.1:{port}", "--envs-per-actor", str(K), log=log)
+    cfg = ActorConfig(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", ActorOptions(envs_per_actor=K))
     try:
-
-        def trajectory():
-            pub.send(good)
-            return pull.poll(200)
-
-        wait_for(trajectory, 45, "a trajectory from the actor", proc, log)
-        deadline = time.monotonic() + 30
-        while proc.poll() is None and time.monotonic() < deadline:
-            pub.send(bad)
-            pull.poll(200) and pull.recv()
-        assert proc.wait(1) == exitcodes.RUN_CHANGED, tail(log)
-        text = log.read_text()
-        assert "Traceback" not in text, text
-        errors = [line for line in text.splitlines() if " E impala_async" in line]
-        assert len(errors) == 1 and "NoSuchEnvironment-v0" in errors[0], text
+        with inprocess.actor_thread(cfg) as acting_actor:
+            deadline = time.monotonic() + 45
+            while not pull.poll(200):  # a trajectory from the actor
+                pub.send(good)
+                assert time.monotonic() < deadline and acting_actor.code is None, caplog.text
+            deadline = time.monotonic() + 30
+            while acting_actor.code is None and time.monotonic() < deadline:
+                pub.send(bad)
+                pull.poll(200) and pull.recv()
+        assert acting_actor.code == exitcodes.RUN_CHANGED, caplog.text
+        assert "Traceback" not in caplog.text, caplog.text
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("impala_async")]
+        assert len(errors) == 1 and "NoSuchEnvironment-v0" in errors[0].getMessage(), caplog.text
     finally:
-        stop(proc)
         ctx.destroy(0)
 
 

@@ -14,8 +14,12 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from procutil import cli, free_port_pair, stop, tail
+from inprocess import actor_thread
+from procutil import free_port_pair
 
+from impala_async.actors.actor import weights_address
+from impala_async.config import ActorOptions
+from impala_async.config.actors import ActorConfig
 from impala_async.core import wire
 from impala_async.core.decoder import TrajectoryDecoder
 from impala_async.core.models import ModelConfig, build_model
@@ -27,8 +31,7 @@ pytest.importorskip("minatar", reason="needs the minatar extra: pip install 'imp
 T, K, H = 50, 4, 32  # unroll length (the 50-100 the article recommends), environments, LSTM units
 
 
-@pytest.mark.process
-def test_the_learner_reproduces_the_actors_logits_from_the_carried_state(tmp_path):
+def test_the_learner_reproduces_the_actors_logits_from_the_carried_state(tmp_path, caplog):
     spec = TrajectorySpec(obs_shape=(4, 10, 10), obs_dtype="uint8", num_actions=3, unroll_length=T, core_state_size=H)
     cfg = ModelConfig.minatar(input_scale=1.0, lstm_size=H)
     torch.manual_seed(0)
@@ -53,24 +56,23 @@ def test_the_learner_reproduces_the_actors_logits_from_the_carried_state(tmp_pat
         s.setsockopt(zmq.LINGER, 0)
     pull.bind(f"tcp://127.0.0.1:{port}")
     pub.bind(f"tcp://127.0.0.1:{port + 1}")
-    log = tmp_path / "actor.log"
-    actor = cli("actor", "--learner", f"tcp://127.0.0.1:{port}", "--envs-per-actor", str(K), log=log)
+    address = f"tcp://127.0.0.1:{port}"
     decoder = TrajectoryDecoder(spec)
     messages = []
-    try:
-        deadline = time.monotonic() + 90
-        while len(messages) < 4 and time.monotonic() < deadline:
-            pub.send(weights)
-            if pull.poll(200):
-                msg = decoder.parse(pull.recv())
-                dest = {f.name: np.empty((msg.n, *f.shape), f.dtype) for f in spec.fields}
-                decoder.decode_into(msg, dest)
-                messages.append((msg.seq, dest))
-            assert actor.poll() is None, tail(log)
+    try:  # the actor of `impala-async actor` in a thread (tests/inprocess.py), this test its learner
+        with actor_thread(ActorConfig(address, weights_address(address), ActorOptions(envs_per_actor=K))) as actor:
+            deadline = time.monotonic() + 90
+            while len(messages) < 4 and time.monotonic() < deadline:
+                pub.send(weights)
+                if pull.poll(200):
+                    msg = decoder.parse(pull.recv())
+                    dest = {f.name: np.empty((msg.n, *f.shape), f.dtype) for f in spec.fields}
+                    decoder.decode_into(msg, dest)
+                    messages.append((msg.seq, dest))
+                assert actor.code is None, caplog.text
     finally:
-        stop(actor)
         ctx.destroy(linger=0)
-    assert len(messages) == 4, "the actor sent fewer than 4 unrolls\n" + tail(log)
+    assert len(messages) == 4, "the actor sent fewer than 4 unrolls\n" + caplog.text
     assert [seq for seq, _ in messages] == [0, 1, 2, 3]
 
     boundaries = 0
