@@ -3,38 +3,30 @@ for figure against its metrics.jsonl."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import subprocess
 import sys
 
+import inprocess
 import pytest
-from procutil import TINY, cli, finish, read_metrics, tail
+from procutil import read_metrics
 
 from impala_async.learner.reports import metrics, tboard
 
 
-@pytest.mark.process
 def test_a_run_writes_every_figure_and_the_rho_histogram(tmp_path):
+    """--tensorboard 1: every figure of every metrics record is a scalar, and the rho histogram is written. The learner
+    serves in this test's loop, a real actor in a thread (tests/inprocess.py)."""
     pytest.importorskip("tensorboard", reason="needs the tensorboard extra: pip install 'impala-async[tensorboard]'")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli(
-        "train",
-        *TINY,
-        "--report-interval-s",
-        "0.25",
-        "--total-env-steps",
-        "6000",
-        "--tensorboard",
-        "1",
-        "--logdir",
-        str(logdir),
-        log=log,
-    )
-    finish(proc, log, 120)
+    logdir = tmp_path / "run"
+    flags = ["--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.25", "--tensorboard", "1"]
+    cfg, spec = inprocess.configuration(tmp_path, *flags, "--total-env-steps", "6000")
+    asyncio.run(inprocess.train(cfg, spec))
     rows = read_metrics(logdir)
-    assert rows, tail(log)
+    assert rows
     events = EventAccumulator(str(logdir / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])

@@ -3,11 +3,13 @@ on stderr when a run collapses."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 
+import inprocess
 import numpy as np
-import pytest
-from procutil import cli, finish, read_metrics, tail
+from procutil import read_metrics
 
 from impala_async.config import LearnerConfig
 from impala_async.learner.reports.watch import CollapseWatch
@@ -102,39 +104,18 @@ def test_records_without_updates_are_skipped():
     assert [w.feed(r) for r in recs] == [[]] * 5
 
 
-@pytest.mark.process
-def test_cli_warns_when_a_run_collapses(tmp_path):
-    """An absurd learning rate without entropy bonus collapses CartPole's policy within seconds; the console says so
-    once per kind (the run is shorter than the minute between repeats) and names the remedies."""
-    logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli(
-        "train",
-        "--env",
-        "CartPole-v1",
-        "--num-actors",
-        "1",
-        "--envs-per-actor",
-        "8",
-        "--unroll-length",
-        "10",
-        "--batch-size",
-        "4",
-        "--report-interval-s",
-        "0.25",
-        "--learning-rate",
-        "0.5",
-        "--entropy-cost",
-        "0",
-        "--total-env-steps",
-        "20000",
-        "--logdir",
-        str(logdir),
-        log=log,
-    )
-    finish(proc, log, 120)
-    lines = [ln for ln in log.read_text().splitlines() if " W impala_async.learner.watch: " in ln]
+def test_a_collapsing_run_is_warned_of_once_per_kind(tmp_path, caplog):
+    """An absurd learning rate without entropy bonus collapses CartPole's policy within seconds; the learner's log
+    says so once per kind (the run is shorter than the minute between repeats) and names the remedies. The learner
+    serves in this test's loop, a real actor of 8 environments in a thread (tests/inprocess.py)."""
+    logdir = tmp_path / "run"
+    flags = ["--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.25", "--learning-rate", "0.5"]
+    cfg, spec = inprocess.configuration(tmp_path, *flags, "--entropy-cost", "0", "--total-env-steps", "20000")
+    caplog.set_level(logging.WARNING, logger="impala_async.learner.watch")
+    asyncio.run(inprocess.train(cfg, spec, envs_per_actor=8))
+    lines = [r.getMessage() for r in caplog.records if r.name == "impala_async.learner.watch"]
     cliffs = [ln for ln in lines if "policy collapse?" in ln]
-    assert len(cliffs) == 1, tail(log, 80)
+    assert len(cliffs) == 1, caplog.text
     assert all(k in cliffs[0] for k in KNOBS), cliffs[0]
     assert len([ln for ln in lines if "policy drift" in ln]) <= 1
     rows = [r for r in read_metrics(logdir) if r["entropy"] is not None]
