@@ -15,8 +15,11 @@ import time
 import numpy as np
 import pytest
 import zmq
-from procutil import cli, free_port_pair, stop, tail
+from inprocess import actor_thread
+from procutil import free_port_pair
 
+from impala_async.config import ActorOptions
+from impala_async.config.actors import ActorConfig
 from impala_async.core import wire
 from impala_async.core.models import ModelConfig, build_model
 from impala_async.core.spec import TrajectorySpec
@@ -301,7 +304,9 @@ def _cartpole_weights(pace_s_per_trajectory: float, version: int, k: int) -> byt
     return wire.encode_weights(version, tensors, run_info, incarnation=3, pace_s_per_trajectory=pace_s_per_trajectory)
 
 
-def _message_times(pace: float, k: int, count: int, tmp_path) -> list[float]:
+def _message_times(pace: float, k: int, count: int) -> list[float]:
+    """When each of ``count`` messages of ``impala-async actor``'s actor (in a thread: tests/inprocess.py) arrived,
+    this test its learner sending CartPole weights with ``pace``."""
     port = free_port_pair()
     ctx = zmq.Context()
     pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
@@ -309,34 +314,32 @@ def _message_times(pace: float, k: int, count: int, tmp_path) -> list[float]:
         s.setsockopt(zmq.LINGER, 0)
     pull.bind(f"tcp://127.0.0.1:{port}")
     pub.bind(f"tcp://127.0.0.1:{port + 1}")
-    log = tmp_path / f"actor-{pace}.log"
-    actor = cli("actor", "--learner", f"tcp://127.0.0.1:{port}", "--envs-per-actor", str(k), log=log)
     weights = _cartpole_weights(pace, 1, k)
     times: list[float] = []
+    cfg = ActorConfig(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", ActorOptions(envs_per_actor=k))
     try:
-        deadline = time.monotonic() + 60
-        last_pub = 0.0
-        while len(times) < count and time.monotonic() < deadline:
-            if time.monotonic() - last_pub > 0.05:  # the same weights again and again, as a learner re-sends them
-                pub.send(weights)
-                last_pub = time.monotonic()
-            if pull.poll(10):
-                pull.recv()
-                times.append(time.monotonic())
-            assert actor.poll() is None, tail(log)
+        with actor_thread(cfg) as actor:
+            deadline = time.monotonic() + 60
+            last_pub = 0.0
+            while len(times) < count and time.monotonic() < deadline:
+                if time.monotonic() - last_pub > 0.05:  # the same weights again and again, as a learner re-sends them
+                    pub.send(weights)
+                    last_pub = time.monotonic()
+                if pull.poll(10):
+                    pull.recv()
+                    times.append(time.monotonic())
+                assert actor.code is None, f"the actor ended with {actor.code}"
     finally:
-        stop(actor)
         ctx.destroy(linger=0)
-    assert len(times) == count, "the actor sent too few messages\n" + tail(log)
+    assert len(times) == count, "the actor sent too few messages"
     return times
 
 
-@pytest.mark.process
-def test_a_real_actor_keeps_the_pace_it_is_sent(tmp_path):
+def test_a_real_actor_keeps_the_pace_it_is_sent():
     k, pace = 4, 0.1  # 4 trajectories per unroll: at least 0.4 s from one unroll's start to the next
-    paced = np.diff(_message_times(pace, k, 5, tmp_path))
+    paced = np.diff(_message_times(pace, k, 5))
     assert paced.min() >= 0.9 * k * pace, paced
-    free = np.diff(_message_times(0.0, k, 5, tmp_path))
+    free = np.diff(_message_times(0.0, k, 5))
     assert np.median(free) < 0.5 * k * pace, f"unpaced, an unroll of 4 x 5 CartPole steps is fast: {free}"
 
 
