@@ -9,8 +9,8 @@ import time
 import zmq
 
 from impala_async.config import LearnerConfig
-from impala_async.learner.guard import ConnectionGuard
-from impala_async.learner.publisher import WeightsPublisher
+from impala_async.learner.transport.guard import ConnectionGuard
+from impala_async.learner.transport.publisher import WeightsPublisher
 
 DEADLINE_S = 5.0
 

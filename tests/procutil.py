@@ -41,8 +41,8 @@ def documented_metrics() -> set[str]:
     import re
 
     from impala_async.core import wire
-    from impala_async.learner import guard
     from impala_async.learner.ranks import watch as rankwatch
+    from impala_async.learner.transport import guard
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "metrics.md").read_text()
     keys = set()

@@ -24,7 +24,7 @@ from helpers import random_arrays
 from procutil import TINY, LearnerProcess, cli, finish, free_port_pair, read_metrics
 
 from impala_async.core import wire
-from impala_async.learner.pacing import Pacer
+from impala_async.learner.transport.pacing import Pacer
 
 ORDER = ("v", "type", "actor", "seq", "policy_version", "incarnation", "n", "episodes", "fields")  # core/wire.py's
 CURRICULUM = [

@@ -17,13 +17,13 @@ from loopback import (
     wait_until,
 )
 
-from impala_async.learner.guard import (
+from impala_async.learner.transport.guard import (
     HEARTBEAT_ALLOWANCE_BYTES_PER_S,
     PER_CONNECTION_OVERHEAD_BYTES,
     guard_source,
     unread_bytes,
 )
-from impala_async.learner.publisher import WeightsPublisher
+from impala_async.learner.transport.publisher import WeightsPublisher
 
 
 def test_the_guard_credits_a_message_with_what_it_took_on_the_wire(ctx):
@@ -50,7 +50,7 @@ def test_the_guard_credits_a_message_with_what_it_took_on_the_wire(ctx):
         assert conn.delivered_bytes == 1000 * (2 + 202 + 309)
     finally:
         guard.close(pull)
-    from impala_async.learner.guard import wire_bytes
+    from impala_async.learner.transport.guard import wire_bytes
 
     assert wire_bytes(0, True) == 35 and wire_bytes(223, True) == 265, "CURVE: a MESSAGE command of 33 + n per frame"
 
@@ -110,7 +110,7 @@ def publish_while_stalled(pub: WeightsPublisher, fd: int, versions: list[bytes])
     written into its connection (the kernel's send queue is not empty) and the socket has learnt, from its commands,
     that the queue has room again; so that whatever the I/O thread's timing the connection holds the first and the
     queue the next SNDHWM (2)."""
-    from impala_async.learner.guard import tcp_bytes_queued
+    from impala_async.learner.transport.guard import tcp_bytes_queued
 
     pub.publish(versions[0])
     wait_until(lambda: tcp_bytes_queued(fd) > 0, "the first version being written")
@@ -199,7 +199,7 @@ def test_an_honest_subscribers_heartbeats_never_become_unread_bytes(ctx):
     age buys HEARTBEAT_ALLOWANCE_BYTES_PER_S. An honest subscriber under CURVE (82 bytes every 10 s) is not cut after a
     week; before, it was cut for unread_bytes (128 KiB) after about 4.4 h. The trajectory socket buys nothing by age:
     a message that never ends must stay within max_unread_bytes however old its connection."""
-    from impala_async.learner.guard import _Conn
+    from impala_async.learner.transport.guard import _Conn
 
     pub, _ = publisher(ctx)
     try:  # a connection's record built by hand: its age is all that matters here

@@ -1,4 +1,4 @@
-"""Flow control by pace (learner/pacing.py, docs/protocol.md "Flow control").
+"""Flow control by pace (learner/transport/pacing.py, docs/protocol.md "Flow control").
 
 - The pace formula on hand-computed cases, the adaptive target and the sender window.
 - The control loop against an independent discrete-time simulation of a learner and its actors: with pacing, actors
@@ -23,7 +23,7 @@ from impala_async.config.actors import ActorConfig
 from impala_async.core import wire
 from impala_async.core.models import ModelConfig, build_model
 from impala_async.core.spec import TrajectorySpec
-from impala_async.learner.pacing import FACTOR_HI, FACTOR_LO, Pacer
+from impala_async.learner.transport.pacing import FACTOR_HI, FACTOR_LO, Pacer
 
 
 # ------------------------------------------------------------------------------------------------ the formula

@@ -1,12 +1,12 @@
 """The learner's parts in process, without a learner process around them.
 
-- Ingest (learner/ingest.py) with a real TrajectoryRing built as ``Parts.create_data_path`` builds it: accepted
+- Ingest (transport/ingest.py) with a real TrajectoryRing built as ``Parts.create_data_path`` builds it: accepted
   messages byte for byte in the ring rows, counters; reject-whole; replay; staleness; other incarnations; the pacer
   hand-off; a message pending while the ring is full (``when_full wait``). Socket-free: bytes in, ring rows out.
-- WeightsPublisher (learner/publisher.py) on a real tcp loopback XPUB with real SUB sockets: what reaches a
+- WeightsPublisher (transport/publisher.py) on a real tcp loopback XPUB with real SUB sockets: what reaches a
   subscriber, the re-send rate limits (explicit ``now``), its counters, its guard on subscription messages.
-- ConnectionGuard (learner/guard.py) on a real tcp loopback PULL: connections, the connection limit, unread bytes.
-- Pacer (learner/pacing.py): only what tests/test_pacing.py leaves out (from_config, counters, the sender bound, a
+- ConnectionGuard (transport/guard.py) on a real tcp loopback PULL: connections, the connection limit, unread bytes.
+- Pacer (transport/pacing.py): only what tests/test_pacing.py leaves out (from_config, counters, the sender bound, a
   trainer that stopped consuming).
 - counters.figures / counters.take / metrics.record against hand-computed values.
 """
@@ -38,11 +38,11 @@ from impala_async.config import LearnerConfig
 from impala_async.core import wire
 from impala_async.core.ring import TrajectoryRing
 from impala_async.core.spec import TrajectorySpec
-from impala_async.learner.guard import PER_CONNECTION_OVERHEAD_BYTES, guard_source
-from impala_async.learner.ingest import UNAUTHENTICATED, Ingest
-from impala_async.learner.pacing import Pacer
 from impala_async.learner.reports import counters, metrics
 from impala_async.learner.reports.histograms import RHO_BIN_EDGES
+from impala_async.learner.transport.guard import PER_CONNECTION_OVERHEAD_BYTES, guard_source
+from impala_async.learner.transport.ingest import UNAUTHENTICATED, Ingest
+from impala_async.learner.transport.pacing import Pacer
 
 SPEC = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
 INCARNATION = 7

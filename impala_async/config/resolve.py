@@ -90,7 +90,7 @@ AUTO_RING_MIN_BATCHES = 8
 
 def auto_ring_batches(cfg, max_message: int) -> int:
     """Batch slots for ``--ring-batches 0``: room for the batch in training, the backlog pace keeps waiting (at least
-    one message: learner/pacing.py) and two more messages arriving, and at least AUTO_RING_MIN_BATCHES. A message is
+    one message: transport/pacing.py) and two more messages arriving, and at least AUTO_RING_MIN_BATCHES. A message is
     the largest the learner accepts (``max_message``, which it advertises: an honest actor with that many environments
     sends that many at once), or a train's own actors' ``envs_per_actor`` where that is larger. A ring of 8 batches of
     8 holds two messages of 32 and no more: Pong with ``--batch-size 8`` dropped 8% of what it acted (BENCHMARKS.md,

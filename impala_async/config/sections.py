@@ -17,7 +17,7 @@ from .fields import Section, at_least, finite, finite_positive, need, opt, posit
 
 MODEL_CHOICES = ("auto", "mlp", "shallow", "minatar", "deep")
 CURRICULA = ("none", "linear")  # the schedules of learner/curriculum.py, and none
-FLOW_CONTROLS = ("pace", "none")  # learner/pacing.py
+FLOW_CONTROLS = ("pace", "none")  # learner/transport/pacing.py
 OBS_CODECS = ("lz4", "jpeg")  # how actors are asked to send image observations (core/codecs.py)
 ENV_BACKENDS = ("auto", "gymnasium", "envpool")  # actors/vec.py
 DEFAULT_ENV_BACKEND = "auto"  # envpool for Atari where installed: ~10% more Pong steps per actor core (BENCHMARKS.md 9)
@@ -333,7 +333,7 @@ class Loss(Section):
 
 @dataclass(frozen=True)
 class Ring(Section):
-    """The ring buffer between intake and training, how stale data may be, and flow control (learner/pacing.py)."""
+    """The ring buffer between intake and training, how stale data may be, and flow control (transport/pacing.py)."""
 
     NAME = "ring"
     TITLE = "ring and flow control"
@@ -352,7 +352,7 @@ class Ring(Section):
     flow_control: str = opt(
         "pace",
         "pace: the weights tell actors how fast to act so that they produce what "
-        "training consumes (learner/pacing.py; actors slow down instead of being dropped), "
+        "training consumes (learner/transport/pacing.py; actors slow down instead of being dropped), "
         "or none (actors act as fast as they can; when_full decides what gives)",
         choices=FLOW_CONTROLS,
     )

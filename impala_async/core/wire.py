@@ -204,7 +204,7 @@ def encode_weights(
 ) -> bytes:
     """``tensors``: name -> array (as in a model's state_dict), sent uncompressed, little-endian. ``difficulty``: the
     curriculum's value, written after ``incarnation`` (left out when None); ``pace_s_per_trajectory``: the flow
-    control's pace (learner/pacing.py), written next (left out when 0)."""
+    control's pace (learner/transport/pacing.py), written next (left out when 0)."""
     out = {}
     for name, a in tensors.items():
         a = np.ascontiguousarray(a)

@@ -6,7 +6,7 @@ authenticator, train's local actors) or what only rank 0 has (:class:`~.parts.Ou
 Order (the server's shutdown closes in reverse):
 
 1. the ZeroMQ context; with keys, the ZAP authenticator (before any socket, so that there is no window without it);
-2. the data path, none of which needs a socket: the ring, flow control (pacing.py), the training thread (not
+2. the data path, none of which needs a socket: the ring, flow control (transport/pacing.py), the training thread (not
    started), ingest;
 3. the sockets: intake (trajectories in) and the weights publisher, both bound; every rank's address shared;
 4. train's local actors (not started), given the addresses bound;
@@ -29,16 +29,16 @@ from ..config import LearnerConfig
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
 from . import checkpoint, curriculum
-from .ingest import Ingest
-from .intake import Intake, Room
 from .learn import Learner
-from .pacing import Pacer
 from .parts import Outputs, Parts, Run
-from .publisher import WeightsPublisher
 from .reports.metrics import Reports
 from .reports.tboard import tensorboard_writer
 from .reports.watch import CollapseWatch
 from .trainer import Trainer
+from .transport.ingest import Ingest
+from .transport.intake import Intake, Room
+from .transport.pacing import Pacer
+from .transport.publisher import WeightsPublisher
 from .weights import Publication
 
 log = logging.getLogger("impala_async.learner.assembly")

@@ -19,15 +19,15 @@ from ..config import LearnerConfig
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
 from . import checkpoint
-from .ingest import Ingest
-from .intake import Intake
 from .learn import Learner
-from .pacing import Pacer
-from .publisher import WeightsPublisher
 from .reports import counters, prom
 from .reports.histograms import Histogram
 from .reports.metrics import Reports, UpdateLog
 from .trainer import Trainer
+from .transport.ingest import Ingest
+from .transport.intake import Intake
+from .transport.pacing import Pacer
+from .transport.publisher import WeightsPublisher
 from .weights import Publication
 
 

@@ -15,10 +15,10 @@ import zmq
 
 from ..actors.procs import ActorProcesses
 from ..ops import exitcodes
-from .guard import ConnectionGuard, release_memory
-from .ingest import Histogram, Ingest
-from .intake import wait_event
-from .publisher import WeightsPublisher
+from .transport.guard import ConnectionGuard, release_memory
+from .transport.ingest import Histogram, Ingest
+from .transport.intake import wait_event
+from .transport.publisher import WeightsPublisher
 
 log = logging.getLogger("impala_async.learner.tasks")
 
@@ -28,7 +28,7 @@ StopRequest = Callable[[str, int], None]  # (reason, exit code)
 
 async def republish(publisher: WeightsPublisher) -> None:
     """Apply subscriptions and send the latest weights again when actors have subscribed (they would otherwise wait
-    for the next update) and every republish_interval_s, at the rates publisher.py allows."""
+    for the next update) and every republish_interval_s, at the rates transport/publisher.py allows."""
     loop = asyncio.get_running_loop()
     woken = asyncio.Event()
     fd = publisher.sock.getsockopt(zmq.FD)
@@ -45,7 +45,7 @@ async def republish(publisher: WeightsPublisher) -> None:
 
 
 async def guard_connections(guards: list[ConnectionGuard], interval_s: float) -> None:
-    """Connections over the limits are closed (guard.py): peers cannot make the learner hold unbounded memory.
+    """Connections over the limits are closed (transport/guard.py): peers cannot make the learner hold unbounded memory.
     After a cut, the memory it freed goes back to the system (at most once a second)."""
     cuts, trim_at, trimmed_at = 0, None, 0.0
     while True:

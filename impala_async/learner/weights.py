@@ -31,7 +31,7 @@ class Publication:
         interval_s: float,
     ):
         """``version()``: the policy version; ``difficulty()``: the curriculum's value now (None: no curriculum);
-        ``pace()``: the pace to ask of actors (learner/pacing.py); ``publish(data)``: hands a message to the
+        ``pace()``: the pace to ask of actors (learner/transport/pacing.py); ``publish(data)``: hands a message to the
         publisher, from any thread."""
         self.model, self.run_info, self.incarnation = model, run_info, incarnation
         self._version, self._difficulty, self._pace, self._publish = version, difficulty, pace, publish

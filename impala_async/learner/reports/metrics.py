@@ -22,8 +22,8 @@ import numpy as np
 
 from ...core.wire import REJECT_REASONS
 from ...ops.console import say
-from ..guard import CUT_REASONS
 from ..ranks.watch import REJECTED_RANK_VALUES
+from ..transport.guard import CUT_REASONS
 from .counters import Snapshot
 from .histograms import RHO_BIN_EDGES, Totals
 

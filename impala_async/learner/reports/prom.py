@@ -21,8 +21,8 @@ from ...actors.observe import server_options
 from ...config.service import Observe
 from ...core.wire import REJECT_REASONS
 from ...ops import httpd
-from ..guard import CUT_REASONS
 from ..ranks.watch import REJECT_REASONS as RANK_REJECT_REASONS
+from ..transport.guard import CUT_REASONS
 from .counters import Snapshot
 from .histograms import LAG_BUCKETS, RHO_BUCKETS
 

@@ -1,5 +1,5 @@
 """The trajectory socket and its receive loop: a ZeroMQ PULL socket read by the event loop, guarded against peers
-that would make the learner hold too much, each message handed to :class:`~impala_async.learner.ingest.Ingest`.
+that would make the learner hold too much, each message handed to :class:`~.ingest.Ingest`.
 
 The socket is a plain (synchronous) one: the event loop watches its file descriptor itself and only ever receives
 non-blocking, so no pyzmq asyncio machinery shares that descriptor.
@@ -12,8 +12,8 @@ import time
 
 import zmq
 
-from ..config.service import Limits, Network
-from ..ops import zmtp
+from ...config.service import Limits, Network
+from ...ops import zmtp
 from .guard import ConnectionGuard, guard_source
 from .ingest import Ingest
 

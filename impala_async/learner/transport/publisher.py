@@ -7,8 +7,8 @@ No asyncio: the server calls these methods from its event loop. Design:
   subscriptions grows the learner's memory (400K distinct topics held 1.3 GiB in automatic mode).
 - ``ZMQ_MAXMSGSIZE = max_subscription_bytes`` on the socket: a subscription is a few bytes, a CurveZMQ handshake
   frame about 300; a larger frame closes the connection before it is buffered (also before authentication).
-- A :class:`~impala_async.learner.guard.ConnectionGuard` caps connections, unread bytes and subscription messages per
-  connection, and with :class:`~impala_async.learner.guard.Outbound` what subscribers leave untaken.
+- A :class:`~.guard.ConnectionGuard` caps connections, unread bytes and subscription messages per
+  connection, and with :class:`~.guard.Outbound` what subscribers leave untaken.
 - What a subscriber can make the learner hold is bounded three ways. In the kernel: ``ZMQ_SNDBUF =
   max_send_buffer_bytes_per_subscriber``. In libzmq: ``SNDHWM`` messages queued, and the one being written, per
   subscriber; each weights message is sent without a copy (``copy=False``) and tracked, so :meth:`held_bytes` knows
@@ -30,8 +30,8 @@ import time
 
 import zmq
 
-from ..config.service import Limits, Network
-from ..ops import zmtp
+from ...config.service import Limits, Network
+from ...ops import zmtp
 from .guard import ConnectionGuard, Outbound, guard_source
 
 SNDHWM_MESSAGES = 2  # weights queued per subscriber (only the newest matter; actors CONFLATE)

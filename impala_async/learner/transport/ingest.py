@@ -18,12 +18,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..config.service import Limits
-from ..core import wire
-from ..core.decoder import TrajectoryDecoder
-from ..core.ring import TrajectoryRing
-from ..core.spec import TrajectorySpec
-from .reports.histograms import Histogram
+from ...config.service import Limits
+from ...core import wire
+from ...core.decoder import TrajectoryDecoder
+from ...core.ring import TrajectoryRing
+from ...core.spec import TrajectorySpec
+from ..reports.histograms import Histogram
 
 log = logging.getLogger("impala_async.learner.ingest")
 UNAUTHENTICATED = "unauthenticated"  # the key name trajectories_by_key counts under without CURVE
