@@ -10,6 +10,7 @@ the stride-0 tensor, resumes from (or plays) most of the others, and imports mod
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import re
@@ -17,6 +18,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import inprocess
 import pytest
 import torch
 from attacks_checkpoints import (
@@ -29,7 +31,6 @@ from attacks_checkpoints import (
     resume_attack,
     resume_dir,
     stack_crafts,
-    train_good_run,
 )
 from procutil import cli as start_cli
 from procutil import free_port_pair, stop, wait_for
@@ -45,7 +46,13 @@ FILE_CRAFTS = tuple(name for name in SET_ASIDE if name != "inconsistent_spec")
 
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory):
-    return train_good_run(tmp_path_factory.mktemp("good") / "run")
+    """What attacks_checkpoints.train_good_run trains (CartPole, 2 environments, 2000 env steps, one checkpoint), the
+    learner in this process's loop and the actor in a thread (tests/inprocess.py)."""
+    root = tmp_path_factory.mktemp("good")
+    flags = ["--unroll-length", "10", "--batch-size", "4", "--total-env-steps", "2000", "--logdir", str(root / "run")]
+    cfg, spec = inprocess.configuration(root, *flags)
+    asyncio.run(inprocess.train(cfg, spec, envs_per_actor=2))
+    return root / "run"
 
 
 @pytest.mark.process
@@ -83,7 +90,6 @@ def _load_latest_within(directory, timeout_s: float):
     return bool(box), (box or [None])[0]
 
 
-@pytest.mark.process
 @pytest.mark.parametrize("name", FILE_CRAFTS)
 def test_each_hostile_checkpoint_is_refused_by_the_checks_of_the_file(good_run, tmp_path, name):
     run = tmp_path / "run"
@@ -96,7 +102,6 @@ def test_each_hostile_checkpoint_is_refused_by_the_checks_of_the_file(good_run, 
     assert os.path.lexists(bad.with_name(bad.name + ".bad")) and not os.path.lexists(bad)
 
 
-@pytest.mark.process
 def test_two_checkpoints_refused_alike_are_not_set_aside(good_run, tmp_path):
     """A refusal that every checkpoint meets is this version's (a check added, a default changed), not damage: setting
     each aside would set aside the whole run. Both stay, and the refusal says why."""
@@ -120,7 +125,6 @@ def damage(run: Path, how: str, count: int) -> list[Path]:
     return paths
 
 
-@pytest.mark.process
 @pytest.mark.parametrize("how,count", [("truncated", 2), ("emptied", 2), ("truncated", 3)])
 def test_any_number_of_damaged_checkpoints_are_set_aside(good_run, tmp_path, how, count):
     """Damage is damage however often it repeats: two (or three of four) truncated or emptied newest checkpoints
@@ -146,7 +150,6 @@ def test_resume_falls_back_past_damaged_checkpoints(good_run, tmp_path):
     assert figures["set_aside"] and not figures["traceback"], figures
 
 
-@pytest.mark.process
 def test_a_checkpoint_of_an_older_version_is_skipped_not_set_aside(good_run, tmp_path):
     """A configuration that fails a check while it lacks a field this version added (which took its default) may be
     refused for this version's sake, not the file's: skipped, kept. The same value with every field: set aside."""
@@ -180,7 +183,6 @@ def _configure(*argv: str):
     return cli.load_learner_config(cli.build_parser().parse_args(["train", *argv]))[0]
 
 
-@pytest.mark.process
 def test_a_module_env_id_needs_the_command_line(good_run, tmp_path):
     """From a --config file (or a checkpoint) only with --allow-env-module 1 typed; the same permission from the file
     does not count; typed with --env it is the user's own; the package's own environments always pass."""
@@ -213,7 +215,6 @@ def test_eval_plays_the_good_checkpoint_past_every_hostile_one_and_renames_nothi
     assert not list(run.glob("*.bad"))
 
 
-@pytest.mark.process
 def test_restore_sets_aside_a_checkpoint_whose_state_does_not_load_and_takes_the_previous(good_run, tmp_path):
     """Past the checks of the file, restoring can still fail (here: the spec the environment gives); with this run's
     configuration the checkpoint's own, that is the file's fault. Changing a field that shapes the network is the
@@ -248,7 +249,6 @@ def test_restore_sets_aside_a_checkpoint_whose_state_does_not_load_and_takes_the
     assert bad.exists() and older.exists() and not list(run.glob("*.bad"))
 
 
-@pytest.mark.process
 def test_the_walk_refuses_what_no_learner_writes(good_run):
     """check_tree, on the parts of a real state each attack bends: budgets, sharing, nesting, and dense tensors."""
     state = torch.load(newest_good(good_run)[0], weights_only=True)
@@ -271,7 +271,6 @@ def test_the_walk_refuses_what_no_learner_writes(good_run):
     checkpoint.check_tree({"tied": [shared[0], shared[0]]}, 1000)  # one tensor held twice (tied weights) is no DAG
 
 
-@pytest.mark.process
 def test_the_archive_is_bounded_before_it_is_parsed(good_run, tmp_path):
     """The zip directory (records, bytes) from the end record alone, and the pickle record's size."""
     good, _ = newest_good(good_run)
