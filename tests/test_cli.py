@@ -1,11 +1,13 @@
 """End to end: the real `impala-async` CLI as subprocesses, real sockets, real CartPole, tiny budgets."""
 
+import asyncio
 import re
 import signal
 import subprocess
 import sys
 import time
 
+import inprocess
 import pytest
 import torch
 from procutil import (
@@ -240,31 +242,19 @@ def test_image_path_learns(tmp_path):
         stop(proc)
 
 
-@pytest.mark.process
 def test_the_learner_has_room_for_the_largest_message_it_accepts(tmp_path):
     """An honest actor of 256 environments sends 256 trajectories at once, within the limit the learner advertises
     (max_trajectories_per_message 256). The `learner` command used to size its ring for train's 32-environment actors
     (8 slots of 16: 128 trajectories), so half of every such message was dropped as soon as it arrived. Where the
     actor outruns the learner (16 fast cores and a CUDA learner) it may still lose a few batches in the first second,
-    before its first pace arrives (an H200: 224 of 4,608), never half."""
-    port = free_port_pair()
-    logdir, llog, alog = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actor.log"
-    learner = cli(
-        "learner", "--env", "CartPole-v1", "--listen", f"tcp://127.0.0.1:{port}", "--unroll-length", "10",
-        "--total-env-steps", "40000", "--report-interval-s", "0.5", "--logdir", str(logdir), log=llog,
-    )  # fmt: skip
-    actor = None
-    try:
-        wait_for(lambda: "listening" in llog.read_text(), 60, "learner start", learner, llog)
-        actor = cli("actor", "--learner", f"tcp://127.0.0.1:{port}", "--envs-per-actor", "256", log=alog)
-        assert learner.wait(180) == 0, tail(llog) + tail(alog)
-        last = read_metrics(logdir)[-1]
-        assert last["env_steps_trained"] >= 40000 and last["trajectories_received"] >= 16 * 256
-        assert last["dropped_full"] < last["trajectories_received"] / 8, (
-            last["dropped_full"],
-            last["trajectories_received"],
-        )
-    finally:
-        stop(learner)
-        if actor is not None:
-            stop(actor)
+    before its first pace arrives (an H200: 224 of 4,608), never half. The learner is configured as the `learner`
+    command configures it and serves in this test's loop, the actor in a thread (tests/inprocess.py)."""
+    flags = ["--unroll-length", "10", "--total-env-steps", "40000", "--report-interval-s", "0.5"]
+    cfg, spec = inprocess.configuration(tmp_path, *flags)
+    asyncio.run(inprocess.train(cfg, spec, envs_per_actor=256, timeout_s=180))
+    last = read_metrics(tmp_path / "run")[-1]
+    assert last["env_steps_trained"] >= 40000 and last["trajectories_received"] >= 16 * 256
+    assert last["dropped_full"] < last["trajectories_received"] / 8, (
+        last["dropped_full"],
+        last["trajectories_received"],
+    )
