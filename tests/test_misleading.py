@@ -21,7 +21,7 @@ import msgpack
 import pytest
 from attacks import LearnerView, message, push
 from helpers import random_arrays
-from procutil import TINY, LearnerProcess, cli, finish, free_port_pair, read_metrics
+from procutil import LearnerProcess, free_port_pair, read_metrics
 
 from impala_async.core import wire
 from impala_async.learner.transport.pacing import Pacer
@@ -280,22 +280,15 @@ def test_a_startup_failure_is_one_line(tmp_path):
     assert "Traceback" not in out.stderr, out.stderr
 
 
-@pytest.mark.process
 def test_the_logdir_and_the_checkpoints_are_private(tmp_path):
-    logdir, log = tmp_path / "run", tmp_path / "log"
+    """A logdir the user made open to others is closed (0700) and the checkpoints are 0600. The learner serves in this
+    test's loop, a real actor in a thread (tests/inprocess.py)."""
+    logdir = tmp_path / "run"
     logdir.mkdir(mode=0o755)  # made by the user, open to others: the learner closes it
-    proc = cli(
-        "train",
-        *TINY,
-        "--envs-per-actor",
-        "2",
-        "--total-env-steps",
-        "2000",
-        "--logdir",
-        str(logdir),
-        log=log,
-    )
-    finish(proc, log, 120)
+    os.chmod(logdir, 0o755)  # whatever the umask
+    flags = ["--unroll-length", "10", "--batch-size", "4", "--total-env-steps", "2000"]
+    cfg, spec = inprocess.configuration(tmp_path, *flags)
+    asyncio.run(inprocess.train(cfg, spec, envs_per_actor=2))
     assert stat.S_IMODE(os.stat(logdir).st_mode) == 0o700
     checkpoints = sorted(logdir.glob("checkpoint-*.pt"))
     assert checkpoints and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in checkpoints)
