@@ -56,6 +56,7 @@ async def serving(cfg, spec, *, state: dict | None = None, timeout_s: float = 30
     """A LearnerServer serving in this loop until the block ends (then stopped and awaited, exit code in
     ``server.exit_code``), restored from a checkpoint's ``state`` (:func:`resumed`) if given; entered once its receive
     loop runs."""
+    learner_main.seed_generators(cfg)  # as the learner process does before it builds the network
     learner, state = resume.restore(lambda: Learner(cfg, spec, torch.device("cpu")), cfg, spec, state)
     server = LearnerServer(
         cfg,
@@ -123,11 +124,18 @@ def actor_thread(cfg: ActorConfig, join_timeout_s: float = 30.0):
         assert not thread.is_alive(), f"actor {cfg.index} did not stop within {join_timeout_s} s"
 
 
-async def train(cfg, spec, *, state: dict | None = None, envs_per_actor: int = 4, timeout_s: float = 120.0):
-    """What `impala-async train` does with one local actor, in this loop: serve (from a checkpoint's ``state`` if
-    given) with a real actor in a thread until the run ends at its budget; the server, stopped (exit code 0)."""
+async def train(
+    cfg, spec, *, state: dict | None = None, envs_per_actor: int = 4, actors: int = 1, timeout_s: float = 120.0
+):
+    """What `impala-async train` does with ``actors`` local actors, in this loop: serve (from a checkpoint's ``state``
+    if given) with real actors in threads (seeded from the run's seed) until the run ends at its budget; the server,
+    stopped (exit code 0)."""
     async with serving(cfg, spec, state=state) as server:
-        with acting(server, envs_per_actor=envs_per_actor) as actor:
+        with contextlib.ExitStack() as stack:
+            handles = [
+                stack.enter_context(acting(server, index=i, seed=cfg.run.seed, envs_per_actor=envs_per_actor))
+                for i in range(actors)
+            ]
             await until(server.stopping, "the run to end at its budget", timeout_s=timeout_s)
-    assert server.exit_code == 0 and actor.code == 0, server.exit_reason
+    assert server.exit_code == 0 and all(h.code == 0 for h in handles), server.exit_reason
     return server

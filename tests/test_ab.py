@@ -177,3 +177,36 @@ def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path):
     assert record["wall_s"] == pytest.approx(max(r["wall_s"] for r in read_metrics(logdir / "metrics.jsonl")), abs=0.1)
     row = next(line for line in (out / "long" / "summary.md").read_text().splitlines() if line.startswith("| only |"))
     assert row.startswith("| only | 1 ") and "(1 resumed) |" in row, row
+
+
+def test_twice_needs_reproducible_runs(tmp_path):
+    with pytest.raises(ValueError, match="twice needs reproducible = 1 in flags or in every arm"):
+        ab.Experiment.load(write_experiment(tmp_path / "e.toml", twice=True))
+
+
+@pytest.mark.process
+def test_twins_of_a_reproducible_arm_agree(tmp_path):
+    """``twice``: every run made again, and the twins' final checkpoints compared (README, Reproducible runs)."""
+    experiment = tmp_path / "twice.toml"
+    flags = {**TINY, "reproducible": 1}
+    experiment.write_text(
+        "\n".join(
+            [
+                'name = "twice"',
+                "seeds = [5]",
+                "total_env_steps = 2000",
+                "twice = true",
+                "flags = { " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in flags.items()) + " }",
+                "[arms.only]",
+            ]
+        )
+        + "\n"
+    )
+    out = tmp_path / "ab"
+    done = subprocess.run(
+        [sys.executable, str(TOOL), str(experiment), "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (out / "twice" / "only" / "s5-twin" / "ab-run.json").exists()
+    table = (out / "twice" / "summary.md").read_text()
+    assert "twins agree" in table and "| 1/1 |" in table, table

@@ -86,6 +86,10 @@ def test_sizes_the_machine_cannot_hold_are_refused_before_allocation():
         (["--config", "alias_bomb.yaml"], "anchors and aliases"),
         (["--config", "timeout_inf.toml"], "handshake_timeout_s must be a finite number"),
         (["--hidden-sizes", "100000,100000"], "hidden_sizes '100000,100000'"),
+        (
+            ["--reproducible", "1", "--num-actors", "3", "--envs-per-actor", "5", "--batch-size", "4"],
+            "--reproducible 1: num_actors x envs_per_actor (3 x 5 = 15) must be a multiple of batch_size 4",
+        ),
     ],
 )
 def test_train_refuses_in_one_line(tmp_path, args, words):

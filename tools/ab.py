@@ -15,6 +15,7 @@ EXPERIMENT.toml names the arms and what they share (the configuration layers of 
     threshold = -15.0                   # optional: env steps and wall time to the first report at or above it
     stop_at_threshold = false           # optional: stop a run (SIGINT) once it reaches the threshold
     timeout_s = 0                       # optional: stop a run (SIGINT) after this long (0: no limit)
+    twice = false                       # optional: make every run twice (with reproducible = 1): the twins must agree
 
     [arms.b16]                          # an arm with nothing of its own: the shared layers alone
     [arms.b32]
@@ -33,6 +34,11 @@ last report), the return at each checkpoint, the env steps and wall time to the 
 reached it), the wall time and the env steps/s; it is printed and written to OUT/NAME/summary.md (and .json), the
 curves with their median band to OUT/NAME/curves.png (tools/plot.py). Wall times and steps/s are only comparable
 between runs made alone on the machine: the load average at each start is recorded and a busy start is flagged.
+
+``twice = true`` checks that an experiment reproduces: each run is made a second time (OUT/NAME/ARM/sSEED-twin, right
+after the first), and the table says for how many seeds of each arm the twins' final checkpoints agree (parameters bit
+for bit, every counter and the last 100 returns in order). Only with ``reproducible = 1`` in ``flags`` or every arm
+(README, Reproducible runs): without it, runs of one seed differ by design.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ EXPERIMENT_KEYS = {
     "threshold",
     "stop_at_threshold",
     "timeout_s",
+    "twice",
     "arms",
 }
 
@@ -86,6 +93,7 @@ class Experiment:
     threshold: float | None = None
     stop_at_threshold: bool = False
     timeout_s: float = 0.0
+    twice: bool = False
 
     @classmethod
     def load(cls, path: Path) -> Experiment:
@@ -102,6 +110,12 @@ class Experiment:
             errors.append("checkpoints must be fractions of the budget, each in (0, 1)")
         if raw.get("stop_at_threshold") and raw.get("threshold") is None:
             errors.append("stop_at_threshold needs a threshold")
+        shared = raw.get("flags", {})
+        layered = (
+            [{**shared, **arm} for arm in arms.values() if isinstance(arm, dict)] if isinstance(arms, dict) else []
+        )
+        if raw.get("twice") and not all(int(values.get("reproducible", 0)) for values in layered):
+            errors.append("twice needs reproducible = 1 in flags or in every arm: other runs of one seed differ")
         if errors:
             raise ValueError(f"{path}: " + "; ".join(errors))
         config = raw.get("config")
@@ -116,6 +130,7 @@ class Experiment:
             threshold=raw.get("threshold"),
             stop_at_threshold=bool(raw.get("stop_at_threshold", False)),
             timeout_s=float(raw.get("timeout_s", 0.0)),
+            twice=bool(raw.get("twice", False)),
         )
 
 
@@ -137,9 +152,23 @@ def command(exp: Experiment, arm: str, seed: int, logdir: Path) -> list[str]:
     return cmd + ["--total-env-steps", str(exp.total_env_steps), "--seed", str(seed), "--logdir", str(logdir)]
 
 
-def planned(exp: Experiment, out: Path) -> list[tuple[str, int, Path]]:
-    """(arm, seed, logdir) in the order runs go: seed by seed, the arms alternating."""
-    return [(arm, seed, out / arm / f"s{seed}") for seed in exp.seeds for arm in exp.arms]
+def planned(exp: Experiment, out: Path, twins: bool = False) -> list[tuple[str, int, Path]]:
+    """(arm, seed, logdir) in the order runs go: seed by seed, the arms alternating; with ``twins`` (and ``twice``)
+    each run followed by its twin."""
+    suffixes = ("", "-twin") if twins and exp.twice else ("",)
+    return [(arm, seed, out / arm / f"s{seed}{x}") for seed in exp.seeds for arm in exp.arms for x in suffixes]
+
+
+def twins_agree(first: Path, twin: Path) -> bool:
+    """Whether two runs' final checkpoints agree: parameters bit for bit, counters, the last 100 returns in order."""
+    import torch
+
+    from impala_async.learner import checkpoint
+
+    a, b = (checkpoint.load_latest(d, validate=checkpoint.validate_learner_state)[0] for d in (first, twin))
+    ma, mb = a["learner"]["model"], b["learner"]["model"]
+    same = ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+    return same and all(a[k] == b[k] for k in ("policy_version", "env_steps", "episodes", "returns", "lengths"))
 
 
 def reached(logdir: Path, threshold: float | None) -> bool:
@@ -216,8 +245,9 @@ def cut_short(logdir: Path) -> int:
 
 
 def run_all(exp: Experiment, out: Path, parallel: int) -> None:
-    todo = [(a, s, d) for a, s, d in planned(exp, out) if not (d / "ab-run.json").exists()]
-    print(f"ab: {exp.name}: {len(planned(exp, out)) - len(todo)} runs done, {len(todo)} to go", flush=True)
+    every = planned(exp, out, twins=True)
+    todo = [(a, s, d) for a, s, d in every if not (d / "ab-run.json").exists()]
+    print(f"ab: {exp.name}: {len(every) - len(todo)} runs done, {len(todo)} to go", flush=True)
     running: list[Run] = []
     try:
         while todo or running:
@@ -256,7 +286,9 @@ def run_figures(exp: Experiment, logdir: Path) -> dict:
     last = read_metrics(logdir / "metrics.jsonl")[-1:] or [{}]
     hit = next((r for r in rows if exp.threshold is not None and r["episode_return_mean"] >= exp.threshold), None)
     wall_s = last[0].get("wall_s")
+    twin = logdir.with_name(logdir.name + "-twin")
     return {
+        "twin_agrees": twins_agree(logdir, twin) if exp.twice and (twin / "ab-run.json").exists() else None,
         "final": rows[-1]["episode_return_mean"] if rows else None,
         "at": [return_at(rows, f * exp.total_env_steps) for f in exp.checkpoints],
         "steps_to_threshold": hit["env_steps"] if hit else None,
@@ -304,7 +336,7 @@ def table(exp: Experiment, summary: dict) -> str:
     cols = ["arm", "seeds"] + [f"return at {f * budget / 1e6:g}M" for f in exp.checkpoints] + ["final return"]
     if exp.threshold is not None:
         cols += [f"M steps to {exp.threshold:g} (seeds)", f"minutes to {exp.threshold:g}"]
-    cols += ["wall minutes", "env steps/s"]
+    cols += ["wall minutes", "env steps/s"] + (["twins agree"] if exp.twice else [])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for arm, s in summary.items():
         runs = s["runs"]
@@ -316,6 +348,9 @@ def table(exp: Experiment, summary: dict) -> str:
             n = s["steps_to_threshold"]["n"]
             cells += [f"{fmt(s['steps_to_threshold'], 2, 1e6)} ({n}/{len(runs)})", fmt(s["wall_to_threshold_s"], 1, 60)]
         cells += [fmt(s["wall_s"], 1, 60), fmt(s["env_steps_per_s"], 0)]
+        if exp.twice:
+            checked = [r["twin_agrees"] for r in runs if r["twin_agrees"] is not None]
+            cells.append(f"{sum(checked)}/{len(checked)}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

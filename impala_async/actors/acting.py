@@ -86,7 +86,7 @@ class Acting:
             unroll_start = time.monotonic()
             code = self.unroll_and_send()
             if code is None:
-                code = self.between_unrolls(unroll_start)
+                code = self.wait_turn() if self.run.info.get("lockstep") is True else self.between_unrolls(unroll_start)
             if code is not None:
                 return code
         return exitcodes.OK
@@ -187,6 +187,23 @@ class Acting:
             if left_s <= 0 or self.stop.requested:
                 return None
             wait_ms = max(1, min(100, int(left_s * 1000)))
+
+    def wait_turn(self) -> int | None:
+        """In lockstep (``--reproducible 1``; config/lockstep.py): wait for the weights the learner publishes once it
+        has trained on the round this actor's unroll belonged to, newer than those the unroll acted with; the next
+        unroll acts with exactly those. No pace: the lockstep is the flow control."""
+        acted = self.run.policy.version, self.run.policy.incarnation
+        while not self.stop.requested:
+            self.watch.poll()
+            self.beat()
+            if self.poll_weights(100):
+                msg, self.pending = self.pending, None
+                code = self.take(msg)
+                if code is not None:
+                    return code
+                if (self.run.policy.version, self.run.policy.incarnation) != acted:
+                    return None
+        return None
 
     def _ahead_unpaced(self) -> bool:
         """Flow control is on but sets no pace yet (the learner has not measured its consumption: its first seconds)

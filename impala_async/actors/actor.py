@@ -19,6 +19,7 @@ import time
 import torch
 import zmq
 
+from ..config import lockstep
 from ..config.actors import ActorConfig
 from ..config.resolve import auto_buffer_bytes
 from ..core import wire
@@ -141,6 +142,8 @@ def _act(
     first = _first_weights(cfg, sub, stop, beat, watch)
     if isinstance(first, int):
         return first
+    if first.run_info.get("lockstep") is True:  # --reproducible 1: the learner orders a round by actor index
+        actor_id = lockstep.actor_id(cfg.index)
     try:
         check_actor_id(first.run_info, actor_id)
         current = build_run(cfg, first, beat)

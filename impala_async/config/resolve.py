@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from ..core.address import port_offset
+from . import lockstep
 from .layers import RESOLVED, Layered
 from .machine import usable_cpus
 from .sections import AUTO_SCRATCH_BYTES, IMAGE_THREADS_MIN_VALUES
@@ -95,10 +96,11 @@ def auto_ring_batches(cfg, max_message: int) -> int:
     sends that many at once), or a train's own actors' ``envs_per_actor`` where that is larger. A ring of 8 batches of
     8 holds two messages of 32 and no more: Pong with ``--batch-size 8`` dropped 8% of what it acted (BENCHMARKS.md,
     section 14), and a learner whose ring held 128 trajectories dropped half of what an actor of 256 environments
-    sent."""
+    sent. ``--reproducible 1``: at least a round of the lockstep and one batch more (config/lockstep.py)."""
     batch, message = cfg.loss.batch_size, max(max_message, cfg.actors.envs_per_actor)
     backlog = max(cfg.ring.pace_target_batches * batch, message) if cfg.ring.flow_control == "pace" else message
-    return max(AUTO_RING_MIN_BATCHES, math.ceil((batch + backlog + 2 * message) / batch))
+    auto = max(AUTO_RING_MIN_BATCHES, math.ceil((batch + backlog + 2 * message) / batch))
+    return max(auto, lockstep.round_batches(cfg) + 1) if cfg.run.reproducible else auto  # a whole round, never a drop
 
 
 def auto_learner_threads(probe: Probe) -> int:

@@ -71,6 +71,13 @@ class Run(Section):
     shutdown_timeout_s: float = opt(10.0, "graceful shutdown gives up and forces exit after this long")
     actor_start_timeout_s: float = opt(120.0, "exit non-zero if no trajectory arrives this long after start")
     no_data_timeout_s: float = opt(60.0, "exit non-zero if no trajectory arrives for this long once data has flowed")
+    reproducible: int = opt(
+        0,
+        "1: the same configuration and seed give the same run, bit for bit, on the same machine and software: train's "
+        "local actors act in lockstep with the learner (each unroll with the weights its position fixes) and "
+        "trajectories enter batches in actor order; slower (docs/design.md, Reproducible runs)",
+        choices=(0, 1),
+    )
 
     def check(self) -> None:
         super().check()

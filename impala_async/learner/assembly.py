@@ -25,7 +25,7 @@ from pathlib import Path
 
 import zmq
 
-from ..config import LearnerConfig
+from ..config import LearnerConfig, lockstep
 from ..core.ring import TrajectoryRing
 from ..core.spec import TrajectorySpec
 from . import checkpoint, curriculum
@@ -37,6 +37,7 @@ from .reports.watch import CollapseWatch
 from .trainer import Trainer
 from .transport.ingest import Ingest
 from .transport.intake import Intake, Room
+from .transport.lockstep import Ordered
 from .transport.pacing import Pacer
 from .transport.publisher import WeightsPublisher
 from .weights import Publication
@@ -88,7 +89,7 @@ def assemble(
         after_update=after_update,
         on_exit=on_trainer_exit,
     )
-    intake = Intake(ctx, cfg.network, cfg.limits, ingest, room, secure)
+    intake = Intake(ctx, cfg.network, cfg.limits, _in_order(cfg, ingest), room, secure)
     publisher = WeightsPublisher(ctx, cfg.network, cfg.limits, secure)
 
     def close_sockets() -> None:
@@ -159,6 +160,14 @@ def _data_path(run: Run, learner: Learner, room: Room, *, ahead: int, keys, resu
     return ring, pacer, trainer, ingest
 
 
+def _in_order(cfg: LearnerConfig, ingest: Ingest):
+    """What the receive loop hands messages to: ingest, or in lockstep (``--reproducible 1``) ingest behind the
+    order of actors and sequence numbers (transport/lockstep.py)."""
+    if not cfg.run.reproducible:
+        return ingest
+    return Ordered(ingest, cfg.local_actors, lockstep.max_held_messages(cfg))
+
+
 def _authentication(ctx: zmq.Context, keys, closes: Closes):
     """With keys: the ZAP authenticator started (before any bind: no window without it) and the function that makes
     a socket a CurveZMQ server admitting only the allowed keys (ops/auth.py). Without keys: (None, None)."""
@@ -202,6 +211,7 @@ def assemble_outputs(parts: Parts, *, fresh: bool, closes: Closes) -> Outputs:
         pace=lambda: pacer.pace(ring.waiting_trajectories()),
         publish=publish,
         interval_s=cfg.network.publish_interval_s,
+        round_batches=lockstep.round_batches(cfg) if cfg.run.reproducible else 0,
     )
     tboard = tensorboard_writer(cfg, logdir)
     if tboard is not None:

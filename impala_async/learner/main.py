@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 
-from ..config import Layered, LearnerConfig, layers
+from ..config import Layered, LearnerConfig, layers, lockstep
 from ..config.resolve import Probe, addresses, fit_connections, resolve
 from . import ranks
 
@@ -150,6 +150,12 @@ def run(
         log.info("learner: the update runs on %d torch thread(s) (--learner-threads)", torch.get_num_threads())
     layered = fit_connections(layered, group.local_actors(cfg.local_actors))
     lock = group.lead_only(lambda: _own_logdir(layered, command))
+    if resumed is not None and cfg.run.reproducible:
+        log.warning(
+            "--reproducible 1, resumed: this run continues from the checkpoint's state (weights, optimizer, counters), "
+            "not exactly as the uninterrupted run would have: the actors' environments and random streams start again "
+            "from their seeds"
+        )
     try:
         return _serve(layered, spec, env_backend, device, keys, group, start_monotonic)
     finally:
@@ -164,13 +170,20 @@ def _prepare(cfg: LearnerConfig, default_listen: str):
         keys = refuse(cfg, default_listen)
     except (ValueError, OSError) as e:
         raise SystemExit(f"impala-async: {e}") from None
+    device = resolve_device(cfg.run.device)
+    seed_generators(cfg)
+    return keys, device
+
+
+def seed_generators(cfg: LearnerConfig) -> None:
+    """torch's and numpy's generators seeded from the run's seed (the network's initial weights come from torch's);
+    with ``--reproducible 1`` torch made to raise, rather than vary, for an operation with no deterministic variant."""
     import numpy as np
     import torch
 
-    device = resolve_device(cfg.run.device)
     torch.manual_seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
-    return keys, device
+    torch.use_deterministic_algorithms(bool(cfg.run.reproducible))
 
 
 def _resolve(layered: Layered, default_listen: str):
@@ -182,6 +195,9 @@ def _resolve(layered: Layered, default_listen: str):
     refuse_oversized(cfg, spec)
     if cfg.local_actors > 0 and cfg.actors.device != "cpu":
         resolve_device(cfg.actors.device, "--actor-device")  # no CUDA device: refused before any actor starts
+    refused = lockstep.refusals(cfg, resolve_device(cfg.run.device).type)
+    if refused:
+        raise SystemExit("impala-async: " + "; ".join(refused))
     return layered, spec, env_backend
 
 
@@ -279,6 +295,7 @@ def run_info(cfg: LearnerConfig, spec, learner, env_backend: str) -> dict:
         "jpeg_quality": cfg.env.jpeg_quality,
         "env_backend": env_backend,
         "flow_control": cfg.ring.flow_control,
+        "lockstep": bool(cfg.run.reproducible),
     }
 
 

@@ -301,11 +301,13 @@ class LearnerServer:
             return False
         p.updates.add(update)
         p.pacer.consumed(len(update.lag), update.waited_s)
-        if self.outputs is not None:
-            self.outputs.after_update(time.monotonic())
         if self.learner.env_steps_trained >= cfg.run.total_env_steps:  # with ranks: all after the same update
+            # Nothing published after the last update: actors in lockstep would act one more round during shutdown
+            # (the final checkpoint holds these weights).
             self.request_stop_threadsafe("total_env_steps reached", 0)
             return True
+        if self.outputs is not None:
+            self.outputs.after_update(time.monotonic())
         return update.stats.get("last", False)  # rank 0 flagged this update as every rank's last (learner/ranks/)
 
     def _on_trainer_exit(self, error: BaseException | None) -> None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Protocol
 
 import zmq
 
 from ...config.service import Limits, Network
 from ...ops import zmtp
 from .guard import ConnectionGuard, guard_source
-from .ingest import Ingest
 
 MAX_DRAIN_MESSAGES = 256  # messages handled per wake-up before yielding to other tasks ...
 MAX_DRAIN_S = 0.005  # ... or this much time
@@ -33,6 +33,22 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
         timer.cancel()
 
 
+class Takes(Protocol):
+    """What the receive loop hands messages to: :class:`~.ingest.Ingest`, or :class:`~.lockstep.Ordered` in front of
+    it (``--reproducible 1``)."""
+
+    @property
+    def pending(self) -> object | None: ...
+
+    def handle(self, buf, user_id: str | None = None, source: int | None = None) -> None: ...
+
+    def continue_pending(self) -> bool: ...
+
+    def has_room(self) -> bool: ...
+
+    def reject_reason(self, reason: str, detail: str) -> None: ...
+
+
 class Room:
     """ "A ring slot was freed": said from any thread (the ring's ``on_release``, on the training thread), awaited by
     a receive loop that holds a message the ring had no room for (``when_full = wait``)."""
@@ -48,7 +64,7 @@ class Room:
 
 
 class Intake:
-    def __init__(self, ctx: zmq.Context, network: Network, limits: Limits, ingest: Ingest, room: Room, secure=None):
+    def __init__(self, ctx: zmq.Context, network: Network, limits: Limits, ingest: Takes, room: Room, secure=None):
         """``room``: told when the ring frees a slot; ``secure(socket)`` makes the socket a CURVE server
         (ops/auth.py). Call :meth:`bind` next."""
         self.ingest, self.room = ingest, room
