@@ -195,6 +195,11 @@ class Observe(MetricsHttp):
     NAME = "observe"
     TITLE = "observability"
     report_interval_s: float = opt(1.0, "write a metrics line this often")
+    report_interval_rounds: int = opt(
+        10,
+        "with --reproducible 1, whose reports must not follow the clock: a metrics line at the end of every this many "
+        "rounds of the lockstep instead (a round: one unroll of each local actor)",
+    )
     health_stale_s: float = opt(
         60.0,
         "/healthz answers 503 when the training thread or the receive loop has not "
@@ -237,7 +242,7 @@ class Observe(MetricsHttp):
         super().check()
         positive(self, "report_interval_s")
         finite_positive(self, "health_stale_s", "tensorboard_flush_interval_s")
-        at_least(self, 1, "max_tensorboard_queue_records", "collapse_window_updates")
+        at_least(self, 1, "max_tensorboard_queue_records", "collapse_window_updates", "report_interval_rounds")
         for name in ("collapse_entropy_fraction", "collapse_rho_far_frac"):
             v = getattr(self, name)
             need(math.isfinite(v) and 0 <= v < 1, f"{name} must lie in [0, 1) (0: off), got {v}")

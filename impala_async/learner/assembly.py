@@ -37,7 +37,7 @@ from .reports.watch import CollapseWatch
 from .trainer import Trainer
 from .transport.ingest import Ingest
 from .transport.intake import Intake, Room
-from .transport.lockstep import Ordered
+from .transport.lockstep import Ordered, Rounds
 from .transport.pacing import Pacer
 from .transport.publisher import WeightsPublisher
 from .weights import Publication
@@ -211,7 +211,6 @@ def assemble_outputs(parts: Parts, *, fresh: bool, closes: Closes) -> Outputs:
         pace=lambda: pacer.pace(ring.waiting_trajectories()),
         publish=publish,
         interval_s=cfg.network.publish_interval_s,
-        round_batches=lockstep.round_batches(cfg) if cfg.run.reproducible else 0,
     )
     tboard = tensorboard_writer(cfg, logdir)
     if tboard is not None:
@@ -229,7 +228,15 @@ def assemble_outputs(parts: Parts, *, fresh: bool, closes: Closes) -> Outputs:
         learner_ranks=cfg.ranks.learner_ranks,
     )
     closes("reports", reports.close)
-    return Outputs(checkpoints, publication, reports)
+    rounds = None
+    if cfg.run.reproducible:  # reports and weights at the end of rounds, the report first (transport/lockstep.py)
+        rounds = Rounds(
+            lockstep.round_batches(cfg),
+            cfg.observe.report_interval_rounds,
+            report=lambda: loop.call_soon_threadsafe(reports.report),
+            publish=publication.publish,
+        )
+    return Outputs(checkpoints, publication, reports, rounds)
 
 
 def run_of(

@@ -26,6 +26,7 @@ from .reports.metrics import Reports, UpdateLog
 from .trainer import Trainer
 from .transport.ingest import Ingest
 from .transport.intake import Intake
+from .transport.lockstep import Rounds
 from .transport.pacing import Pacer
 from .transport.publisher import WeightsPublisher
 from .weights import Publication
@@ -53,10 +54,14 @@ class Outputs:
     checkpoints: checkpoint.Checkpoints
     publication: Publication
     reports: Reports
+    rounds: Rounds | None  # in lockstep (--reproducible 1): reports and weights at the end of rounds
 
     def after_update(self, now: float) -> None:
         """Publish and checkpoint when due (the training thread)."""
-        self.publication.after_update(now)
+        if self.rounds is not None:
+            self.rounds.after_batch()
+        else:
+            self.publication.after_update(now)
         self.checkpoints.after_update(now)
 
 

@@ -200,7 +200,7 @@ class LearnerServer:
                 stop=self.request_stop,
             ),
         ]
-        if self.outputs is not None:
+        if self.outputs is not None and self.outputs.rounds is None:  # in lockstep, reports come at rounds' ends
             loops.append(tasks.every(cfg.observe.report_interval_s, self.outputs.reports.report))
         tasks_ = [asyncio.create_task(c) for c in loops]
         stop = asyncio.create_task(self._stop.wait())

@@ -1,7 +1,7 @@
 """Weights going out: the learner's current weights encoded as a weights message (docs/protocol.md) with what travels
 beside them (the run, the learner's incarnation, the curriculum's difficulty, the flow-control pace), after an update
-at most every ``publish_interval_s``, or, in lockstep (``--reproducible 1``), after the last batch of each round and
-only then. Encoded on the training thread, handed to the publisher on the event loop.
+at most every ``publish_interval_s`` (in lockstep, ``--reproducible 1``, at the end of each round instead:
+transport/lockstep.py ``Rounds``). Encoded on the training thread, handed to the publisher on the event loop.
 Weights with a non-finite value are never encoded (counted, and logged)."""
 
 from __future__ import annotations
@@ -30,16 +30,13 @@ class Publication:
         pace: Callable[[], float],
         publish: Callable[[bytes], None],
         interval_s: float,
-        round_batches: int = 0,
     ):
         """``version()``: the policy version; ``difficulty()``: the curriculum's value now (None: no curriculum);
         ``pace()``: the pace to ask of actors (learner/transport/pacing.py); ``publish(data)``: hands a message to the
-        publisher, from any thread. ``round_batches``: in lockstep, the batches of a round (config/lockstep.py), after
-        each round's last of which the weights go out whatever ``interval_s`` says (0: not in lockstep)."""
+        publisher, from any thread."""
         self.model, self.run_info, self.incarnation = model, run_info, incarnation
         self._version, self._difficulty, self._pace, self._publish = version, difficulty, pace, publish
-        self.interval_s, self.round_batches = interval_s, round_batches
-        self._batches = 0  # batches trained since this process started: a round ends every round_batches
+        self.interval_s = interval_s
         self.refused_nonfinite = 0
         self.difficulty: float | None = None  # the value sent with the latest weights
         self._last = time.monotonic()
@@ -66,13 +63,14 @@ class Publication:
         )
 
     def after_update(self, now: float) -> None:
-        """Publish the weights if ``publish_interval_s`` has passed since the last publication, or in lockstep if this
-        batch ended a round (training thread)."""
-        self._batches += 1
-        due = self._batches % self.round_batches == 0 if self.round_batches else now - self._last >= self.interval_s
-        if not due:
+        """Publish the weights if ``publish_interval_s`` has passed since the last publication (training thread)."""
+        if now - self._last < self.interval_s:
             return
         self._last = now
+        self.publish()
+
+    def publish(self) -> None:
+        """Publish the weights now (training thread)."""
         data = self.encode()
         if data is not None:
             self._publish(data)

@@ -1,5 +1,6 @@
-"""Reproducible mode's intake order (``--reproducible 1``; config/lockstep.py): trajectories enter the ring by actor
-and sequence number, not by arrival.
+"""The learner's side of the lockstep (``--reproducible 1``; config/lockstep.py): trajectories enter the ring by actor
+and sequence number, not by arrival (:class:`Ordered`), and what follows an update goes by rounds, not by the clock
+(:class:`Rounds`).
 
 Each local actor in lockstep sends under the id ``lockstep/<index>`` and numbers its messages from 0. :class:`Ordered`
 holds every message until all actors' messages of the lowest sequence number not yet handed on have arrived, then
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 
 from ...config.lockstep import actor_index
 from .ingest import Ingest
@@ -77,3 +79,26 @@ class Ordered:
         while self.ingest.continue_pending() and self.ready:
             self.ingest.handle(*self.ready.popleft())
         return self.ingest.pending is None and not self.ready
+
+
+class Rounds:
+    """The lockstep's clock, on the training thread: a round ends every ``round_batches`` batches trained; at the end
+    of every ``report_rounds``-th round ``report()``, then at the end of each ``publish()``. Both hand their work to
+    the event loop in that order (``call_soon_threadsafe`` keeps it), where nothing can change meanwhile: the ring is
+    empty and no actor sends before the weights arrive. So a report's figures, but for the clock's, are the same in
+    every run of a seed."""
+
+    def __init__(
+        self, round_batches: int, report_rounds: int, *, report: Callable[[], object], publish: Callable[[], None]
+    ):
+        self.round_batches, self.report_rounds = round_batches, report_rounds
+        self._report, self._publish = report, publish
+        self.batches = 0  # trained since this process started (a resumed run begins a round with its first batch)
+
+    def after_batch(self) -> None:
+        self.batches += 1
+        if self.batches % self.round_batches:
+            return
+        if (self.batches // self.round_batches) % self.report_rounds == 0:
+            self._report()
+        self._publish()
