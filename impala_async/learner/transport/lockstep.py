@@ -17,13 +17,10 @@ run then stops for want of data, ``no_data_timeout_s``). At most ``max_held_mess
 from __future__ import annotations
 
 import collections
-import logging
 from collections.abc import Callable
 
 from ...config.lockstep import actor_index
 from .ingest import Ingest
-
-log = logging.getLogger("impala_async.learner.lockstep")
 
 
 class Ordered:
