@@ -60,12 +60,12 @@ def refusals(cfg, device_type: str) -> list[str]:
         out.append("CUDA kernels have no deterministic variant for every operation here: use device cpu")
     if cfg.run.ingest_only:
         out.append("ingest_only trains nothing: there is nothing to reproduce")
-    lag = round_batches(cfg) - 1
-    if cfg.ring.max_policy_lag < lag:
+    batches = round_batches(cfg)
+    if cfg.ring.max_policy_lag < batches - 1:
         out.append(
-            f"max_policy_lag {cfg.ring.max_policy_lag} would drop a round's last batches (their lag is up to {lag})"
+            f"max_policy_lag {cfg.ring.max_policy_lag} would drop a round's last batches (their lag is up to "
+            f"{batches - 1})"
         )
-    if cfg.ring.ring_batches and cfg.ring.ring_batches < round_batches(cfg) + 1:
-        rounds = round_batches(cfg)
-        out.append(f"ring_batches {cfg.ring.ring_batches} cannot hold a round ({rounds} batches) and one more")
+    if cfg.ring.ring_batches and cfg.ring.ring_batches < batches + 1:
+        out.append(f"ring_batches {cfg.ring.ring_batches} cannot hold a round ({batches} batches) and one more")
     return [f"--reproducible 1: {r}" for r in out]
