@@ -141,14 +141,19 @@ def simulate(
     capacity: int = 128,
     seconds: float = 60.0,
     dt: float = 0.001,
+    attack: tuple[int, float, float, float] | None = None,
 ) -> dict:
     """A learner taking ``batch`` trajectories per ``update_s`` from a ring of ``capacity`` (overflow dropped, as
     drop_oldest does) and publishing a pace after every update; actors that act an unroll of ``trajectories`` in
     ``unroll_s[i]`` and, before the next, wait for the pace they last received. Independent of the server's code
-    but for the Pacer under test."""
+    but for the Pacer under test. ``attack`` = (connections, messages per second, start, stall): from ``start`` on,
+    one-trajectory messages at that rate in all, each from the next of ``connections`` in turn; for the first
+    ``stall`` seconds of it every update takes 10 times as long (the learner's CPU taken by the attack's burst)."""
     pacer = Pacer(2 * batch if pace else 0, 5.0, 10.0, capacity_trajectories=capacity)
     published = 0.0
     waiting = dropped = produced = consumed = 0
+    connections, attack_per_s, attack_at, stall_s = attack or (1, 1.0, math.inf, 0.0)
+    attacks, actor_rates = 0, [0, 0]  # the actors' trajectories in the 10 s before the attack, and after its start
     busy_until, waited, starved, fed_at = None, 0.0, 0.0, None
     actors = [{"start": 0.0, "done": u} for u in unroll_s]  # acting until "done"; None while waiting for the pace
     t, max_waiting, late_waiting = 0.0, 0, []
@@ -158,12 +163,17 @@ def simulate(
                 produced += trajectories
                 waiting += trajectories
                 pacer.accepted(str(i), trajectories, now=t)
+                if t >= attack_at - 10.0:
+                    actor_rates[t >= attack_at] += trajectories
                 if waiting > capacity:
                     dropped += waiting - capacity
                     waiting = capacity
                 a["done"] = None
             if a["done"] is None and t >= a["start"] + trajectories * published:
                 a["start"], a["done"] = t, t + unroll_s[i]
+        if t >= attack_at + attacks / attack_per_s:
+            pacer.accepted(f"connection {attacks % connections}", 1, now=t)
+            waiting, attacks = min(capacity, waiting + 1), attacks + 1
         max_waiting = max(max_waiting, waiting)
         if t >= seconds / 2:
             late_waiting.append(waiting)
@@ -175,7 +185,8 @@ def simulate(
                 waiting -= batch
                 consumed += batch
                 pacer.consumed(batch, waited, now=t)
-                waited, busy_until, fed_at = 0.0, t + update_s, t
+                stalled = attack_at <= t < attack_at + stall_s
+                waited, busy_until, fed_at = 0.0, t + update_s * (10.0 if stalled else 1.0), t
             else:
                 waited += dt
                 if fed_at is not None and t > 5.0:  # starved once data had flowed, after a warm-up
@@ -188,6 +199,8 @@ def simulate(
         "max_waiting": max_waiting,
         "late_mean_waiting": float(np.mean(late_waiting)) if late_waiting else 0.0,
         "pace": published,
+        "actors_per_s_before_attack": actor_rates[0] / 10.0,
+        "actors_per_s_in_attack": actor_rates[1] / max(1e-9, seconds - attack_at),
     }
 
 
@@ -208,6 +221,19 @@ def test_pacing_costs_nothing_when_the_actors_are_the_bottleneck():
     free = simulate(False, [0.1], 32, 0.01)
     assert free["dropped_fraction"] == 0.0
     assert paced["consumed_per_s"] >= 0.98 * free["consumed_per_s"], (paced, free)
+
+
+@pytest.mark.parametrize("connections", [100, 1_000, 10_000])
+def test_slow_senders_on_many_connections_leave_the_actor_its_rate_after_a_stall(connections):
+    """Issue 27, row 1, as CI's process test meets it (tests/test_misleading.py): an actor of 2 trajectories per
+    10 ms, a learner that trains 200 a second, and from t = 20 s 20 one-trajectory messages a second over
+    ``connections`` connections, the learner slowed for the attack's first second. Paced from what the trainer
+    consumed, the stall held the actor to a twentieth of its rate for good (consumption followed the pace and the
+    pace consumption; each connection that had sent once counted a trajectory a second); paced from what the
+    trainer can take, the actor is back to what the attack leaves it (the learner's 200 a second but the attack's
+    20) within seconds."""
+    run = simulate(True, [0.01], 2, 0.02, batch=4, capacity=64, seconds=30.0, attack=(connections, 20.0, 20.0, 1.0))
+    assert run["actors_per_s_in_attack"] >= 0.75 * run["actors_per_s_before_attack"], run
 
 
 def simulate_ranks(
@@ -337,7 +363,9 @@ def _message_times(pace: float, k: int, count: int) -> list[float]:
 
 def test_a_real_actor_keeps_the_pace_it_is_sent():
     k, pace = 4, 0.1  # 4 trajectories per unroll: at least 0.4 s from one unroll's start to the next
-    paced = np.diff(_message_times(pace, k, 5))
+    # Arrivals, not starts: the first unroll's warm-up (first forward pass, resets) makes it longer than the next, so
+    # the gap after it can be short by that much on a loaded machine (0.26 s, beside a Pong run).
+    paced = np.diff(_message_times(pace, k, 6)[1:])
     assert paced.min() >= 0.9 * k * pace, paced
     free = np.diff(_message_times(0.0, k, 5))
     assert np.median(free) < 0.5 * k * pace, f"unpaced, an unroll of 4 x 5 CartPole steps is fast: {free}"

@@ -12,13 +12,17 @@ socket buffers and the policy lag grows with every queued message. Pacing instea
     pace = 1 / level,   factor = clip(1 + gain * (target - waiting) / target, lo, hi)
     level: slow senders keep their rate, the others share equally what training consumes, times factor
 
-``consumed_per_s``: trajectories the trainer took per second (over the window's batches, or the last two where the
-window holds fewer); the senders: connections whose messages were accepted in the window (or within four of their own
-intervals, for one that sends less often), each with its rate over that span; a sender is *slow* while its rate is
-under half of what it was allowed: an equal share of ``consumed_per_s`` among the senders not slow (water-filling: the
-slowest first), times the lowest ``factor`` (at most 1) advertised over that span. Without the factor, an actor the
-pace held to a quarter of its share while a backlog drained looked slow, got no pace at all, and filled the ring
-(Pong: a policy lag of 36 updates).
+``consumed_per_s``: trajectories a second the trainer can take: those it took over the window's batches (or the last two
+where the window holds fewer), over the time it did not spend waiting for them. What it could take, not what it took:
+consumption is bounded by supply, so a pace set from it can only tighten once supply falls, and a spell in which the
+learner was slowed (CPU taken by a burst of connections) left an honest actor held to 1/20 of its rate for good
+(simulated in tests/test_pacing.py; CI's 1,000-connection test measured 0.497 of its rate). The senders: connections
+whose messages were accepted in the window (or within four of their own intervals, for one that sends less often), each
+with its rate over that span (a sender of one message over the whole span: one message says nothing of how often it
+sends); a sender is *slow* while its rate is under half of what it was allowed: an equal share of ``consumed_per_s``
+among the senders not slow (water-filling: the slowest first), times the lowest ``factor`` (at most 1) advertised over
+that span. Without the factor, an actor the pace held to a quarter of its share while a backlog drained looked slow, got
+no pace at all, and filled the ring (Pong: a policy lag of 36 updates).
 ``waiting``: trajectories accepted and not yet taken; ``target``: how many the learner wants waiting, so it never waits
 for data (``pace_target_batches`` batches). Every actor that keeps the pace then produces ``level`` trajectories a
 second, whatever its number of environments, and all of them together produce what training consumes, a little more
@@ -70,10 +74,14 @@ class _Sender:
         self.recent.append((now, trajectories))
 
     def rate(self, now: float, horizon_s: float) -> float:
-        """Trajectories a second over the last ``horizon_s`` (or its life, if shorter, but at least a second)."""
+        """Trajectories a second over the last ``horizon_s`` (or its life, if shorter, but at least a second; a sender
+        of one message: over ``horizon_s``)."""
         while self.recent and self.recent[0][0] < now - horizon_s:
             self.recent.popleft()
-        span = max(1.0, min(horizon_s, now - self.first_at))
+        # One message says nothing of how often a sender sends: it counts over the whole horizon (a thousand
+        # connections that each sent once must not count as a thousand senders of a trajectory a second).
+        age = now - self.first_at if len(self.recent) > 1 else horizon_s
+        span = max(1.0, min(horizon_s, age))
         return sum(n for _, n in self.recent) / span
 
 
@@ -99,7 +107,8 @@ class Pacer:
         self._lock = threading.Lock()
         # by last message, oldest first
         self._senders: collections.OrderedDict[str, _Sender] = collections.OrderedDict()
-        self._consumed: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic time, trajectories)
+        # (monotonic time, trajectories, seconds the trainer waited for them)
+        self._consumed: collections.deque[tuple[float, int, float]] = collections.deque()
         # Trajectories of the messages accepted within the window (time, n): the largest recent message, not the
         # largest ever (one 256-trajectory message must not raise the target for the rest of the run).
         self._sizes: collections.deque[tuple[float, int]] = collections.deque()
@@ -162,7 +171,7 @@ class Pacer:
         tests/test_outbound_attacks.py.)"""
         now = time.monotonic() if now is None else now
         with self._lock:
-            self._consumed.append((now, trajectories))
+            self._consumed.append((now, trajectories, max(0.0, waited_s)))
             self._batch = trajectories
             self._forget(now)
             if self.base_target > 0:
@@ -254,11 +263,13 @@ class Pacer:
             if self.target <= 0 or senders == 0 or len(self._consumed) < 2:
                 self.pace_s_per_trajectory = 0.0
                 return 0.0
-            # Trajectories taken after the window's first batch, over the time since it: up to now, so that a
-            # learner that stopped consuming does not keep advertising its old rate.
+            # Trajectories taken after the window's first batch, over the time since it that the trainer did not wait
+            # for them: up to now, so that a learner that stopped does not keep advertising its old rate.
             first_at = self._consumed[0][0]
-            taken = sum(n for _, n in list(self._consumed)[1:])
-            rate = self.ranks * taken / max(1e-6, now - first_at)  # the whole learner's
+            after_first = list(self._consumed)[1:]
+            taken = sum(n for _, n, _ in after_first)
+            working_s = now - first_at - sum(w for _, _, w in after_first)
+            rate = self.ranks * taken / max(1e-6, working_s)  # the whole learner's
             # A message arrives whole: wanting fewer waiting than one message holds would swing the pace between
             # its extremes at every arrival.
             # Never more than the ring can hold while a batch is taken: above that the pace would ask for data the
