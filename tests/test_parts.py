@@ -40,6 +40,7 @@ from impala_async.core.ring import TrajectoryRing
 from impala_async.core.spec import TrajectorySpec
 from impala_async.learner.reports import counters, metrics
 from impala_async.learner.reports.histograms import RHO_BIN_EDGES
+from impala_async.learner.transport import guard as guard_module
 from impala_async.learner.transport.guard import PER_CONNECTION_OVERHEAD_BYTES, guard_source
 from impala_async.learner.transport.ingest import UNAUTHENTICATED, Ingest
 from impala_async.learner.transport.pacing import Pacer
@@ -630,6 +631,41 @@ def test_the_guard_cuts_connections_holding_too_much(ctx):
         while (message := receive(pull))[:1] != b"\3":
             assert message[:1] in (b"\1", b"\2")
         assert message == b"\3" * (2 * mib)
+    finally:
+        guard.close(pull)
+
+
+def test_the_guard_checks_many_connections_in_turns(ctx, monkeypatch):
+    """300 connections and at most 200 checks a second: each check() looks at the next ones in turn, so a second of
+    checks every 10 ms makes about 200 system calls, not 30,000 (connections are free to open: 1,000 idle ones checked
+    every 50 ms took 13% of the learner's core, and an honest actor beside it kept under half its throughput); and a
+    connection over its bound is still cut within a turn of them all (300 / 200 = 1.5 s)."""
+    mib, calls = 1 << 20, [0]
+    pull, address, guard = pull_with_guard(
+        ctx, max_connections=400, max_unread_bytes=3 * mib, max_unread_bytes_total=1 << 30, max_checks_per_s=200
+    )
+    real = guard_module.tcp_bytes
+
+    def counting(fd):  # the real system call, counted
+        calls[0] += 1
+        return real(fd)
+
+    monkeypatch.setattr(guard_module, "tcp_bytes", counting)
+    try:
+        pushers = [pusher(ctx, address) for _ in range(300)]
+        wait_until(lambda: checked(guard, lambda: len(guard.conns) == 300), "300 connections")
+        guard.check()
+        calls[0], t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 1.0:
+            guard.check()
+            time.sleep(0.01)
+        assert 100 <= calls[0] <= 200 * (time.monotonic() - t0) + 1, calls[0]
+
+        pushers[0].send(b"\1" * (4 * mib))
+        sent_at = time.monotonic()
+        wait_until(lambda: checked(guard, lambda: guard.cut["unread_bytes"] == 1), "a cut for unread_bytes")
+        assert time.monotonic() - sent_at < 1.5 + 1.0, "not cut within a turn of all the connections"
+        assert len(guard.conns) == 299
     finally:
         guard.close(pull)
 

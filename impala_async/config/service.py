@@ -90,6 +90,12 @@ class Limits(Section):
         "most connections per socket (trajectories, weights), authenticated or not; "
         "newer ones are closed at once (lowered to fit the file-descriptor limit)",
     )
+    max_connection_checks_per_s: int = opt(
+        2048,
+        "most connections per socket whose unread bytes are checked a second; above "
+        "connection_check_interval_s x this many connections each is checked less often (a check is a system call: "
+        "1,000 idle connections checked every 50 ms took an eighth of a core)",
+    )
     max_unread_bytes_per_connection: int = opt(
         0,
         "close a connection that makes the learner hold more unread bytes "
@@ -134,6 +140,7 @@ class Limits(Section):
             "max_actor_id_bytes",
             "max_tracked_actors",
             "max_connections",
+            "max_connection_checks_per_s",
             "max_subscriptions_per_connection",
             "max_episode_length_steps",
         )

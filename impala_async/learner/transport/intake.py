@@ -86,6 +86,7 @@ class Intake:
             max_connections=limits.max_connections,
             max_unread_bytes=limits.max_unread_bytes_per_connection,
             max_unread_bytes_total=limits.max_unread_bytes_total,
+            max_checks_per_s=limits.max_connection_checks_per_s,
         )
         self.receive_s = 0.0  # cumulative seconds in recv calls
         # Monotonic time the receive loop last went round (at least every 0.1 s unless the event loop is stalled):

@@ -69,6 +69,7 @@ class WeightsPublisher:
             max_unread_bytes=per_connection,
             max_unread_bytes_total=per_connection * limits.max_connections,
             max_messages=limits.max_subscriptions_per_connection,
+            max_checks_per_s=limits.max_connection_checks_per_s,
             outbound=Outbound(
                 max_stall_s=limits.max_subscriber_stall_s,
                 max_held_bytes=limits.max_weights_held_bytes,
