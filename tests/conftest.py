@@ -66,6 +66,8 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     started = _popen_started[0] - item.stash.get(_POPEN_BEFORE, _popen_started[0])
+    if call.when == "call" and started:
+        report.user_properties.append(("processes_started", started))  # summed below, across xdist workers
     if call.when != "call" or not started or item.get_closest_marker("process") is not None:
         return
     listing = os.environ.get("IMPALA_ASYNC_LIST_PROCESS_TESTS")
@@ -78,3 +80,18 @@ def pytest_runtest_makereport(item, call):
             f"{item.nodeid} started {started} process(es) without the process marker: add @pytest.mark.process "
             "(tests/conftest.py)"
         )
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many processes the tests started themselves (their setup and body; not the processes those started, such
+    as train's actors): each pays the interpreter and ``import torch``, most of the suite's time (BENCHMARKS.md,
+    section 20)."""
+    counts = [
+        dict(r.user_properties).get("processes_started", 0)
+        for key in ("passed", "failed")
+        for r in terminalreporter.stats.get(key, [])
+        if getattr(r, "when", "") == "call"
+    ]
+    if any(counts):
+        tests = sum(1 for c in counts if c)
+        terminalreporter.write_line(f"processes started by the tests themselves: {sum(counts)}, by {tests} tests")
