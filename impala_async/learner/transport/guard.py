@@ -324,8 +324,8 @@ class ConnectionGuard:
         n = int(quota)
         self._quota = quota - n
         start = self._cursor % len(conns)
-        self._cursor = start + n
-        return (conns[start:] + conns[:start])[:n]
+        self._cursor = end = start + n
+        return conns[start:end] + conns[: max(0, end - len(conns))]
 
     def _allowance_bytes(self, conn: _Conn, now: float) -> int:
         """Bytes of ``conn`` never counted as unread: its handshake, and on the weights socket its heartbeats."""
