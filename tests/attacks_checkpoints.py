@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from procutil import cli, run_cli
 
 from impala_async.learner import checkpoint
 
@@ -151,14 +151,10 @@ class _Peak(threading.Thread):
 
 def _run(argv: list[str], log: Path, timeout_s: float, pythonpath: str, until: str) -> dict:
     """Run ``python -m impala_async *argv`` until it exits, ``until`` appears in its output, or ``timeout_s``."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if pythonpath:
-        env["PYTHONPATH"] = pythonpath
+    env = dict(os.environ, PYTHONPATH=pythonpath) if pythonpath else None
     t0 = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(  # run where ``-m`` finds no package in the working directory, only ``pythonpath``'s
-            [sys.executable, "-m", "impala_async", *argv], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log.parent
-        )
+    # run where ``-m`` finds no package in the working directory, only ``pythonpath``'s
+    proc = cli(*argv, log=log, env=env, cwd=log.parent)
     peak = _Peak(proc.pid)
     peak.start()
     outcome = "hung"
@@ -243,14 +239,7 @@ def train_good_run(directory: Path, timeout_s: float = 120.0, pythonpath: str = 
     argv += ["--batch-size", "4", "--total-env-steps", "2000", "--logdir", str(directory)]
     env = dict(os.environ, PYTHONPATH=pythonpath) if pythonpath else None
     Path(directory).parent.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run(
-        [sys.executable, "-m", "impala_async", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=env,
-        cwd=Path(directory).parent,
-    )
+    out = run_cli(*argv, timeout=timeout_s, env=env, cwd=Path(directory).parent)
     if out.returncode != 0 or not checkpoint.list_checkpoints(directory):
         raise RuntimeError(f"the good run failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return Path(directory)

@@ -22,7 +22,7 @@ import numpy as np
 import zmq
 from attacks import LearnerView, message, push
 from helpers import random_arrays
-from procutil import free_port_pair, read_metrics, stop
+from procutil import cli, free_port_pair, read_metrics, stop
 
 FLAGS = ["--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.25", "--total-env-steps", "1000000000"]
 CURRICULUM = ["--curriculum", "linear", "--curriculum-env-steps", "100000000"]
@@ -45,12 +45,9 @@ class Target:
             self.wait(lambda r: r["learner_steps"] > 0, 180)
 
     def _cli(self, log: Path, *args: str) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ)
         env.pop("IMPALA_ASYNC_METRICS_PORT", None)
-        with open(log, "w") as out:
-            return subprocess.Popen(
-                [self.python, "-m", "impala_async", *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.cwd
-            )
+        return cli(*args, log=log, env=env, python=self.python, cwd=self.cwd)
 
     def last(self) -> dict:
         rows = read_metrics(self.logdir) if (self.logdir / "metrics.jsonl").exists() else []

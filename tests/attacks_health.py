@@ -26,6 +26,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from procutil import cli
+
 
 class IdleHolder:
     """Holds ``count`` TCP connections to ``host:port`` that send nothing (or only ``prefix``, a request head that
@@ -292,10 +294,9 @@ def measure(python: str, cwd: str | None, idle_counts=(8, 200), slow_counts=(200
             except OSError:
                 port = _free_port()
     logdir = tmp / "run"
-    argv = [python, "-m", "impala_async", "train", *TRAIN_FLAGS, "--listen", f"tcp://127.0.0.1:{port}"]
+    argv = ["train", *TRAIN_FLAGS, "--listen", f"tcp://127.0.0.1:{port}"]
     argv += ["--metrics-port", str(mport), "--logdir", str(logdir), *extra_flags]
-    with open(tmp / "learner.log", "w") as log:
-        proc = subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    proc = cli(*argv, log=tmp / "learner.log", python=python, cwd=cwd)
     try:
         deadline = time.monotonic() + 180
         while _last_row(logdir).get("learner_steps", 0) < 50:

@@ -28,6 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import psutil
+from procutil import cli
 
 LEGACY_PREFIX = "impala-async/0"  # the ranks' key prefix before the store was authenticated (no restart: 0)
 TOKEN_ENV = "IMPALA_ASYNC_RANK_TOKEN"
@@ -184,17 +185,10 @@ def start_train(
     """``train`` with two learner ranks and two local actors (``token``: the operator's IMPALA_ASYNC_RANK_TOKEN;
     ``cwd``: where ``python -m impala_async`` takes the package from, the checkout measured)."""
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
-    env.update(PYTHONUNBUFFERED="1", **({TOKEN_ENV: token} if token else {}))
+    env.update({TOKEN_ENV: token} if token else {})
     for name in ("IMPALA_ASYNC_METRICS_PORT", "IMPALA_ASYNC_METRICS_HOST"):
         env.pop(name, None)
-    with open(log, "w") as out:
-        return subprocess.Popen(
-            [python, "-m", "impala_async", "train", *TRAIN_FLAGS, "--logdir", str(logdir), *extra],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=cwd,
-        )
+    return cli("train", *TRAIN_FLAGS, "--logdir", str(logdir), *extra, log=log, env=env, python=python, cwd=cwd)
 
 
 def wait_steps(proc: subprocess.Popen, logdir: Path, steps: int, timeout_s: float) -> bool:

@@ -3,6 +3,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import forkserver
 import pytest
 import zmq
 
@@ -40,8 +41,9 @@ def ctx():
 
 # Tests that start processes carry the ``process`` marker (``pytest -m "not process"`` runs the in-process suite in
 # a fraction of the time): every subprocess.Popen a test starts, in its setup (a module's fixture too) or its body,
-# is counted, and a test that started one unmarked fails, naming the marker. IMPALA_ASYNC_LIST_PROCESS_TESTS=PATH
-# lists such tests in PATH instead of failing them (for marking a new file's tests in one pass).
+# and every process the fork server starts for it (tests/forkserver.py), is counted, and a test that started one
+# unmarked fails, naming the marker. IMPALA_ASYNC_LIST_PROCESS_TESTS=PATH lists such tests in PATH instead of failing
+# them (for marking a new file's tests in one pass).
 _popen_started = [0]
 _POPEN_BEFORE = pytest.StashKey[int]()
 _popen_init = subprocess.Popen.__init__
@@ -53,6 +55,15 @@ def _counting_popen_init(self, *args, **kwargs):
 
 
 subprocess.Popen.__init__ = _counting_popen_init  # type: ignore[method-assign]
+_forked_init = forkserver.Forked.__init__
+
+
+def _counting_forked_init(self, *args, **kwargs):
+    _popen_started[0] += 1
+    _forked_init(self, *args, **kwargs)
+
+
+forkserver.Forked.__init__ = _counting_forked_init  # type: ignore[method-assign]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import psutil
 
 from impala_async.learner.reports import metrics
@@ -67,12 +68,60 @@ CARTPOLE_LEARNER = ["--env", "CartPole-v1", "--unroll-length", "10", "--batch-si
                     "--total-env-steps", "100000000"]  # fmt: skip
 
 
-def cli(*args: str, log: Path | None = None, **kw) -> subprocess.Popen:
+def cli(*args: str, log: Path | None = None, env: dict | None = None, preexec_fn=None, script=None, python=None, **kw):
+    """``python -m impala_async *args`` (``python SCRIPT *args`` given a script), stdout and stderr to ``log`` unless
+    ``stdout``/``stderr`` are given (discarded without either): forked from this worker's fork server
+    (tests/forkserver.py: no `import torch` a process); a real interpreter where the process must run code before
+    (``preexec_fn``), where ``env`` changes how modules import, where ``python`` names another interpreter or, with
+    ``cwd``, the checkout to run (the attacks measure any checkout), or with IMPALA_ASYNC_TEST_FORK=0."""
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     out = open(log, "w") if log else subprocess.DEVNULL
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen(
-        [sys.executable, "-m", "impala_async", *args], stdout=out, stderr=subprocess.STDOUT, env=env, **kw
+    kw = {"stdout": out, "stderr": subprocess.STDOUT, **kw}
+    elsewhere = python is not None and (python != sys.executable or kw.get("cwd"))
+    try:
+        if preexec_fn is None and not elsewhere and _forkable(env):
+            return forkserver.client().spawn(list(args), script=script, env=env, **kw)
+        return subprocess.Popen(_argv(script, args, python), env=env, preexec_fn=preexec_fn, **kw)
+    finally:
+        if log:
+            out.close()  # type: ignore[union-attr]
+
+
+def run_cli(*args: str, timeout: float, env: dict | None = None, cwd=None, script=None) -> subprocess.CompletedProcess:
+    """subprocess.run(``python -m impala_async *args``, capture_output=True, text=True, timeout=...) through
+    :func:`cli`'s fork server (``python SCRIPT *args`` given a script): the process is killed at the timeout, and
+    TimeoutExpired raised."""
+    env = dict(os.environ if env is None else env)
+    if not _forkable(env):
+        return subprocess.run(_argv(script, args), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    proc = forkserver.client().spawn(
+        list(args), script=script, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# Variables read when modules are imported (IMPALA_ASYNC_METRICS_PORT sets a config default): a process whose
+# environment sets them otherwise than this one's gets an interpreter of its own, as the fork server's modules were
+# imported under this process's values.
+_IMPORT_TIME = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "CUDA", "TORCH", "PYTORCH", "KMP_", "NUMEXPR_", "GYM",
+                "IMPALA_ASYNC_METRICS_")  # fmt: skip
+
+
+def _argv(script, args, python=None) -> list[str]:
+    return [python or sys.executable, *([str(script)] if script else ["-m", "impala_async"]), *args]
+
+
+def _forkable(env: dict) -> bool:
+    if os.environ.get("IMPALA_ASYNC_TEST_FORK", "1") == "0":
+        return False
+    keys = {k for k in (*env, *os.environ) if k.startswith(_IMPORT_TIME) and k != "PYTHONUNBUFFERED"}
+    return all(env.get(k) == os.environ.get(k) for k in keys)
 
 
 def read_metrics(logdir: Path) -> list[dict]:

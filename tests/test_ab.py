@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from helpers import tool
-from procutil import wait_for
+from procutil import cli, run_cli, wait_for
 
 from impala_async.learner.reports.metrics import read_metrics
 
@@ -79,7 +78,7 @@ def test_every_problem_of_an_experiment_file_is_reported_at_once(tmp_path):
     for words in ("unknown key 'colour'", "total_env_steps is required", "arms must be", "seeds must", "checkpoints"):
         assert words in str(e.value), words
     assert "stop_at_threshold needs a threshold" in str(e.value)
-    out = subprocess.run([sys.executable, str(TOOL), str(bad)], capture_output=True, text=True, timeout=60)
+    out = run_cli(str(bad), script=TOOL, timeout=60)
     assert out.returncode == 2 and "unknown key 'colour'" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -112,8 +111,8 @@ def test_the_tool_runs_the_arms_and_reports_what_their_metrics_say(tmp_path):
     """Two real arms side by side (--parallel 2), one seed each; a second invocation runs nothing again."""
     experiment = write_experiment(tmp_path / "tiny.toml", seeds=(3,))
     out = tmp_path / "ab"
-    args = [sys.executable, str(TOOL), str(experiment), "--out", str(out), "--parallel", "2"]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    args = [str(experiment), "--out", str(out), "--parallel", "2"]
+    done = run_cli(*args, script=TOOL, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     runs = {arm: out / "tiny" / arm / "s3" for arm in ("fast", "slow")}
     summary = json.loads((out / "tiny" / "summary.json").read_text())
@@ -130,7 +129,7 @@ def test_the_tool_runs_the_arms_and_reports_what_their_metrics_say(tmp_path):
     assert "| fast | 1" in table and "| slow | 1" in table and "final return" in table
 
     before = {arm: (d / "metrics.jsonl").stat().st_mtime for arm, d in runs.items()}
-    again = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    again = run_cli(*args, script=TOOL, timeout=120)
     assert again.returncode == 0 and "2 runs done, 0 to go" in again.stdout, again.stdout
     assert before == {arm: (d / "metrics.jsonl").stat().st_mtime for arm, d in runs.items()}, "a run ran again"
 
@@ -148,8 +147,8 @@ def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path):
         + " }\n[arms.only]\n"
     )
     out, logdir = tmp_path / "ab", tmp_path / "ab" / "long" / "only" / "s0"
-    args = [sys.executable, str(TOOL), str(experiment), "--out", str(out)]
-    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [str(experiment), "--out", str(out)]
+    first = cli(*args, script=TOOL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(
             lambda: any(logdir.glob("checkpoint-*.pt")) and read_metrics(logdir / "metrics.jsonl"),
@@ -166,7 +165,7 @@ def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path):
     cut_at = max(r["env_steps"] for r in first_rows)
     assert 0 < cut_at < 30_000, "stopped mid-run"
 
-    again = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    again = run_cli(*args, script=TOOL, timeout=300)
     assert again.returncode == 0 and "resumed from its newest checkpoint (resume 1)" in again.stdout, again.stdout
     record = json.loads((logdir / "ab-run.json").read_text())
     assert record["exit_code"] == 0 and record["resumes"] == 1 and "--resume" in record["command"]
@@ -203,9 +202,7 @@ def test_twins_of_a_reproducible_arm_agree(tmp_path):
         + "\n"
     )
     out = tmp_path / "ab"
-    done = subprocess.run(
-        [sys.executable, str(TOOL), str(experiment), "--out", str(out)], capture_output=True, text=True, timeout=300
-    )
+    done = run_cli(str(experiment), "--out", str(out), script=TOOL, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (out / "twice" / "only" / "s5-twin" / "ab-run.json").exists()
     table = (out / "twice" / "summary.md").read_text()

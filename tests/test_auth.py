@@ -9,14 +9,13 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import zmq
-from procutil import free_port_pair
+from procutil import cli, free_port_pair
 from zmq.auth import load_certificate
 from zmq.utils.monitor import parse_monitor_message
 
@@ -314,10 +313,7 @@ def test_the_cli_refuses_unsafe_keys_in_one_line(key_dirs, tmp_path):
         "keygen": ["keygen", str(loose), "--name", "actor"],
     }
     procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "impala_async", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for name, argv in argvs.items()
+        name: cli(*argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name, argv in argvs.items()
     }
     try:
         for name, proc in procs.items():

@@ -21,6 +21,7 @@ from procutil import (
     free_port_pair,
     gone,
     read_metrics,
+    run_cli,
     stop,
     tail,
     wait_for,
@@ -190,23 +191,10 @@ def test_env_kwargs_reach_learner_and_actors(tmp_path):
     assert rows and rows[-1]["episodes"] >= 3000 // 5 // 2, tail(log)
     assert {r["episode_return_mean"] for r in rows} == {5.0}
     # An argument the environment does not take is refused at the start, naming it.
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "impala_async",
-            "train",
-            "--env",
-            "CartPole-v1",
-            "--env-kwargs",
-            '{"no_such_argument": 1}',
-            "--logdir",
-            str(tmp_path / "bad"),
-        ],
-        capture_output=True,
-        text=True,
+    bad = run_cli(
+        "train", "--env", "CartPole-v1", "--env-kwargs", '{"no_such_argument": 1}', "--logdir", str(tmp_path / "bad"),
         timeout=60,
-    )
+    )  # fmt: skip
     assert bad.returncode != 0 and "no_such_argument" in bad.stderr, bad.stderr
 
 

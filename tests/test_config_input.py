@@ -6,11 +6,10 @@ The files are real files; the last test drives the real CLI (`train --config FIL
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
+from procutil import run_cli
 
 from impala_async.config import LearnerConfig, layers
 from impala_async.core.spec import TrajectorySpec
@@ -95,13 +94,7 @@ def test_sizes_the_machine_cannot_hold_are_refused_before_allocation():
 def test_train_refuses_in_one_line(tmp_path, args, words):
     for name in ("alias_bomb.yaml", "timeout_inf.toml"):
         (tmp_path / name).write_text(FILES[name][0])
-    out = subprocess.run(
-        [sys.executable, "-m", "impala_async", "train", "--env", "CartPole-v1", "--logdir", "run", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    out = run_cli("train", "--env", "CartPole-v1", "--logdir", "run", *args, timeout=120, cwd=tmp_path)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("impala-async: ") and words in last and len(last) < 1000, last

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import zmq
 from helpers import random_arrays
 from procutil import cli, finish, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import run_cli as _run_cli
 
 from impala_async.core import wire
 from impala_async.core.spec import TrajectorySpec
@@ -30,9 +30,7 @@ ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 
 
 def run_cli(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "impala_async", *args], capture_output=True, text=True, timeout=timeout_s, env=ENV
-    )
+    return _run_cli(*args, timeout=timeout_s, env=ENV)
 
 
 def keygen(directory: Path, name: str) -> None:
@@ -257,23 +255,10 @@ def test_learner_refuses_to_start(tmp_path, key_dirs):
     procs = {}
     for i, (name, (flags, _)) in enumerate(cases.items()):  # concurrently: each pays for the heavy imports
         listen = [] if "--listen" in flags else ["--listen", f"tcp://127.0.0.1:{free_port_pair()}"]
-        procs[name] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "impala_async",
-                "learner",
-                *LEARNER_FLAGS,
-                *listen,
-                *flags,
-                "--logdir",
-                str(tmp_path / f"run{i}"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=ENV,
-        )
+        procs[name] = cli(
+            "learner", *LEARNER_FLAGS, *listen, *flags, "--logdir", str(tmp_path / f"run{i}"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+        )  # fmt: skip
     t0 = time.monotonic()
     try:
         for name, proc in procs.items():

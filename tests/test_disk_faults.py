@@ -9,12 +9,11 @@ import errno
 import json
 import re
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from procutil import ENDLESS, cli, free_port, stop, tail, wait_for
+from procutil import ENDLESS, cli, free_port, run_cli, stop, tail, wait_for
 
 from impala_async.learner import checkpoint
 
@@ -142,12 +141,7 @@ def test_starting_on_a_full_or_read_only_disk_is_refused_in_one_line(small_fs, t
         fill(small_fs)
     else:
         subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
-    out = subprocess.run(
-        [sys.executable, "-m", "impala_async", "train", *SMALL, "--logdir", str(small_fs / "run")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_cli("train", *SMALL, "--logdir", str(small_fs / "run"), timeout=120)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     reason = "No space left on device" if fault == "full" else "Read-only file system"

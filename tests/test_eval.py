@@ -14,6 +14,7 @@ from pathlib import Path
 import inprocess
 import numpy as np
 import pytest
+from procutil import cli as start_cli
 
 from impala_async import cli, evaluate
 from impala_async.actors.envs import frame_stack_of, make_env
@@ -72,12 +73,7 @@ def evals(runs, tmp_path_factory):
         "image": ["--checkpoint", str(runs["image"]), "--episodes", "3", "--json", "--video", str(out / "image")],
     }
     procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "impala_async", "eval", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        name: start_cli("eval", *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name, args in commands.items()
     }
     try:

@@ -12,8 +12,6 @@ import asyncio
 import os
 import socket
 import stat
-import subprocess
-import sys
 import time
 
 import inprocess
@@ -21,7 +19,7 @@ import msgpack
 import pytest
 from attacks import LearnerView, message, push
 from helpers import random_arrays
-from procutil import LearnerProcess, free_port_pair, read_metrics
+from procutil import LearnerProcess, free_port_pair, read_metrics, run_cli
 
 from impala_async.core import wire
 from impala_async.learner.transport.pacing import Pacer
@@ -261,21 +259,7 @@ def test_a_startup_failure_is_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "impala_async",
-                "learner",
-                "--listen",
-                f"tcp://127.0.0.1:{port}",
-                "--logdir",
-                str(tmp_path / "run"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        out = run_cli("learner", "--listen", f"tcp://127.0.0.1:{port}", "--logdir", str(tmp_path / "run"), timeout=120)
     assert out.returncode == 1, out.stderr
     assert f"impala-async: stopped: cannot bind tcp://127.0.0.1:{port} (--listen)" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr, out.stderr

@@ -128,20 +128,21 @@ def test_weights_held_for_stalled_subscribers_are_bounded(tmp_path, ctx):
 # --------------------------------------------------------------------- 4. the unread-bytes guard bypassed
 @pytest.mark.process
 def test_empty_messages_buy_no_unread_bytes(learner):
-    """400,000 empty messages (2 bytes each on the wire, 25 MB of credit at 64 bytes a message), then an unfinished
-    multipart message of 16 MiB against max_unread_bytes_per_connection 2 MiB: the old learner never cut the
-    connection and reported 0 unread bytes. Credited only the bytes it read, the connection is cut
-    (``connections_cut_unread_bytes``) and training goes on."""
+    """100,000 empty messages (2 bytes each on the wire, 6.2 MB of credit beyond them at 64 bytes a message), then an
+    unfinished multipart message of 4 MiB against max_unread_bytes_per_connection 2 MiB: a learner crediting 64 bytes
+    a message (the old one: issue 15's review sent 400,000 and 16 MiB) would count less than nothing unread and never
+    cut the connection. Credited only the bytes it read, the connection is cut (``connections_cut_unread_bytes``) and
+    training goes on."""
     before = learner.last()
     figures = credit_bypass(
         learner.host,
         learner.port,
-        empty_messages=400_000,
-        hold_bytes=16 * MIB,
+        empty_messages=100_000,
+        hold_bytes=4 * MIB,
         hold_s=15.0,
         learner_figures=learner.last,
     )
-    assert figures["cut"], f"a connection holding 16 MiB against a 2 MiB bound was not cut: {figures}"
+    assert figures["cut"], f"a connection holding 4 MiB against a 2 MiB bound was not cut: {figures}"
     learner.wait(
         lambda r: r["connections_cut_unread_bytes"] > before["connections_cut_unread_bytes"],
         "the cut to be counted",

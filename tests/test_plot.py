@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from procutil import run_cli
 
 pytest.importorskip("matplotlib", reason="tools/plot.py needs matplotlib: pip install -e '.[plot]'")
 Image = pytest.importorskip("PIL.Image", reason="reading the PNG back needs Pillow (matplotlib depends on it)")
@@ -31,7 +31,7 @@ def write_run(directory: Path, scale: float, steps: int = 30) -> Path:
 
 
 def plot(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PLOT), *args], capture_output=True, text=True, timeout=120)
+    return run_cli(*args, script=PLOT, timeout=120)
 
 
 def read_png(path: Path) -> np.ndarray:

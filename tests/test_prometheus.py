@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import zmq
-from procutil import TINY, cli, free_port, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import TINY, cli, free_port, free_port_pair, read_metrics, run_cli, stop, tail, wait_for
 from prometheus_client import parser
 
 from impala_async import config
@@ -104,9 +104,7 @@ def healthcheck(port: int) -> subprocess.CompletedProcess:
     """`impala-async healthcheck` with the port from the environment only, as the Docker HEALTHCHECK runs it."""
     env = dict(os.environ, IMPALA_ASYNC_METRICS_PORT=str(port))
     env.pop("IMPALA_ASYNC_METRICS_HOST", None)
-    return subprocess.run(
-        [sys.executable, "-m", "impala_async", "healthcheck"], env=env, capture_output=True, text=True, timeout=30
-    )
+    return run_cli("healthcheck", env=env, timeout=30)
 
 
 @pytest.mark.process
@@ -285,23 +283,9 @@ def test_a_taken_metrics_port_is_refused_in_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "impala_async",
-                "learner",
-                "--listen",
-                f"tcp://127.0.0.1:{free_port_pair()}",
-                "--metrics-port",
-                str(port),
-                "--logdir",
-                str(tmp_path / "run"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        listen = f"tcp://127.0.0.1:{free_port_pair()}"
+        out = run_cli("learner", "--listen", listen, "--metrics-port", str(port), "--logdir", str(tmp_path / "run"),
+                      timeout=120)  # fmt: skip
     assert out.returncode != 0
     assert f"cannot serve /metrics on 127.0.0.1:{port}" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
@@ -351,28 +335,11 @@ def test_actor_supervisor_healthz(tmp_path):
     over and over)."""
     mport = free_port()
     log = tmp_path / "actors.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", IMPALA_ASYNC_METRICS_PORT=str(mport))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "impala_async",
-            "actor",
-            "--learner",
-            f"tcp://127.0.0.1:{free_port_pair()}",
-            "--num-actors",
-            "2",
-            "--envs-per-actor",
-            "1",
-            "--heartbeat-interval-s",
-            "0.5",
-            "--heartbeat-timeout-s",
-            "5",
-        ],
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    env = dict(os.environ, IMPALA_ASYNC_METRICS_PORT=str(mport))
+    proc = cli(
+        "actor", "--learner", f"tcp://127.0.0.1:{free_port_pair()}", "--num-actors", "2", "--envs-per-actor", "1",
+        "--heartbeat-interval-s", "0.5", "--heartbeat-timeout-s", "5", log=log, env=env,
+    )  # fmt: skip
     try:
         status, body = wait_for(lambda: (r := get(mport, "/healthz"))[0] == 200 and r, 60, "/healthz 200", proc, log)
         wait_for(lambda: get(mport, "/healthz")[1].startswith("ok: 2 of 2"), 60, "both actors heartbeating", proc, log)

@@ -17,15 +17,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
 
 import attacks_ranks
 import pytest
-from procutil import stop, tail, wait_for
+from procutil import cli, stop, tail, wait_for
 
 from impala_async.config import LearnerConfig
 from impala_async.learner.ranks import RankGroup
@@ -187,15 +185,7 @@ def test_under_torchrun_keys_carry_the_token_and_rank_1_survives_rank_0_going_si
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     procs = []
     for r in range(2):
-        with open(logs[r], "w") as out:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "impala_async", "learner", *flags],
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+        procs.append(cli("learner", *flags, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, log=logs[r]))
     under = {p: [f"{p}/beat/0", f"{p}/beat/1"] for p in (f"impala-async/0/{TOKEN}", "impala-async/0")}
     try:
         beating = wait_for(

@@ -14,6 +14,7 @@ import inprocess
 import numpy as np
 import pytest
 import torch
+from procutil import run_cli
 
 from impala_async.config import LearnerConfig, lockstep
 from impala_async.core import wire
@@ -167,17 +168,13 @@ def test_cartpole_learns_to_a_bound_deterministically(tmp_path):
 def test_a_resumed_reproducible_run_says_it_continues_only_from_the_checkpoint(tmp_path):
     """The real `train`, stopped at its budget and resumed with a larger one: the lockstep goes on (the run ends at
     its new budget) and the resumed run says it is not the uninterrupted one."""
-    import subprocess
-    import sys
 
     from procutil import TINY
 
     logdir, said = tmp_path / "run", "continues from the checkpoint's state"
     for budget, resume in ((1000, []), (2000, ["--resume", str(logdir)])):
         argv = [*TINY, "--reproducible", "1", "--total-env-steps", str(budget), "--logdir", str(logdir), *resume]
-        out = subprocess.run(
-            [sys.executable, "-m", "impala_async", "train", *argv], capture_output=True, text=True, timeout=120
-        )
+        out = run_cli("train", *argv, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert (said in out.stderr) == bool(resume), out.stderr[-2000:]
     state, _ = checkpoint.load_latest(logdir, validate=checkpoint.validate_learner_state)

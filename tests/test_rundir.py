@@ -6,11 +6,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
-from procutil import ENDLESS, cli, read_metrics, stop, tail, wait_for
+from procutil import ENDLESS, cli, read_metrics, run_cli, stop, tail, wait_for
 
 from impala_async.learner.rundir import LOCK_FILE, LogdirInUse, RunDirLock
 
@@ -55,12 +53,7 @@ def test_a_second_learner_is_refused_beside_a_live_one(tmp_path):
     try:
         wait_for(lambda: list(logdir.glob("checkpoint-*.pt")), 120, "a checkpoint", first, log)
         config_before = (logdir / "config.json").read_bytes()
-        second = subprocess.run(
-            [sys.executable, "-m", "impala_async", "train", "--resume", str(logdir), "--total-env-steps", "100000000"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        second = run_cli("train", "--resume", str(logdir), "--total-env-steps", "100000000", timeout=120)
         assert second.returncode == 1, second.stderr
         last = second.stderr.strip().splitlines()[-1]
         assert f"in use by another learner (PID {first.pid})" in last and "Traceback" not in second.stderr, last

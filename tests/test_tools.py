@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from procutil import TINY
+from procutil import TINY, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,13 +112,7 @@ def test_tool_smallest_mode(name):
     for module in NEEDS.get(name, ()):
         pytest.importorskip(module, reason=f"tools/{name}.py needs {module}: pip install -e '.[atari,jpeg]'")
     argv, check = SMALLEST[name]
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / f"{name}.py"), *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_cli(*argv, script=ROOT / "tools" / f"{name}.py", cwd=ROOT, timeout=300)
     assert out.returncode == 0, f"exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
     check(_last_json(out.stdout))
 

@@ -4,19 +4,18 @@ stage of a real update is timed, none twice."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from procutil import run_cli
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "update_shares.py"
 
 
 @pytest.mark.process
 def test_the_stages_of_a_real_update_add_up_to_it():
-    args = [sys.executable, str(TOOL), "--updates", "3", "--warmup", "1", "--json", "--", "--env", "CartPole-v1"]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    args = ["--updates", "3", "--warmup", "1", "--json", "--", "--env", "CartPole-v1"]
+    done = run_cli(*args, script=TOOL, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     r = json.loads(done.stdout)
     assert r["env"] == "CartPole-v1" and r["updates"] == 3 and r["batch_size"] * r["unroll_length"] > 0
