@@ -95,10 +95,12 @@ def _reap(child: _Child, sel) -> None:
         except OSError:
             pass  # the client is gone
         child.conn.close()
+        child.conn = None  # a request on it in the same select() batch is then dropped
 
 
 def _on_request(child: _Child, sel) -> None:
-    assert child.conn is not None
+    if child.conn is None:  # reaped earlier in this select() batch
+        return
     data = child.conn.recv(64)
     if not data:  # the client closed its end; the process runs on, reaped when it ends
         sel.unregister(child.conn)
