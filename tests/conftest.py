@@ -46,24 +46,18 @@ def ctx():
 # them (for marking a new file's tests in one pass).
 _popen_started = [0]
 _POPEN_BEFORE = pytest.StashKey[int]()
-_popen_init = subprocess.Popen.__init__
 
 
-def _counting_popen_init(self, *args, **kwargs):
-    _popen_started[0] += 1
-    _popen_init(self, *args, **kwargs)
+def _counting(init):
+    def counted(self, *args, **kwargs):
+        _popen_started[0] += 1
+        init(self, *args, **kwargs)
+
+    return counted
 
 
-subprocess.Popen.__init__ = _counting_popen_init  # type: ignore[method-assign]
-_forked_init = forkserver.Forked.__init__
-
-
-def _counting_forked_init(self, *args, **kwargs):
-    _popen_started[0] += 1
-    _forked_init(self, *args, **kwargs)
-
-
-forkserver.Forked.__init__ = _counting_forked_init  # type: ignore[method-assign]
+subprocess.Popen.__init__ = _counting(subprocess.Popen.__init__)  # type: ignore[method-assign]
+forkserver.Forked.__init__ = _counting(forkserver.Forked.__init__)  # type: ignore[method-assign]
 
 
 @pytest.hookimpl(hookwrapper=True)
