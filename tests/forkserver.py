@@ -11,237 +11,63 @@ what they read as they were imported (so a test that changes that, through PYTHO
 for its defaults, gets a real process: see procutil.cli), and the string hash seed. The state a fresh process sets at
 its start is set again in each child (:func:`_fresh_state`).
 
-The tools (``python tools/NAME.py``) are forked the same way. Protocol: the client sends one message per process on
-a SOCK_SEQPACKET control socket (JSON: argv, script, env, cwd, new_session) with four descriptors (a socket for this
-process's replies, and its stdin, stdout, stderr); the server answers on that socket ``{"pid": N}``, then
-``{"returncode": R}`` when the child ends. The client asks for a signal by sending its number on the same socket; the
-server sends it through the child's pidfd, so a signal never reaches a recycled pid. The server exits, killing what
-it started, when the control socket closes (the worker ended).
+The tools (``python tools/NAME.py``) are forked the same way. The server and its protocol are the actors' zygote's
+(impala_async/actors/zygote.py), with the child's stdin, stdout and stderr as the descriptors a request passes; the
+server exits, killing what it started, when the control socket closes (the worker ended).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import selectors
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-MAX_REQUEST_BYTES = 1 << 20
+from impala_async.actors import zygote
+from impala_async.actors.zygote import place_fds, run_main, serve
+
 START_TIMEOUT_S = 180.0  # the first request waits for the server's imports, on a loaded machine
 
 
-@dataclass
-class _Child:
-    pid: int
-    pidfd: int
-    conn: socket.socket | None
-
-
-def serve(control: socket.socket) -> None:
-    """Fork a child per request until the control socket closes."""
-    sel = selectors.DefaultSelector()
-    sel.register(control, selectors.EVENT_READ)
-    children: dict[int, _Child] = {}  # by pidfd
-    while True:
-        for key, _ in sel.select():
-            if key.fileobj is control:
-                msg, fds, _, _ = socket.recv_fds(control, MAX_REQUEST_BYTES, 4)
-                if not msg:
-                    for child in children.values():
-                        _signal(child, signal.SIGKILL)
-                    return
-                child = _start(json.loads(msg), fds, sel, control, children)
-                children[child.pidfd] = child
-                sel.register(child.pidfd, selectors.EVENT_READ)
-                sel.register(child.conn, selectors.EVENT_READ, child)  # type: ignore[arg-type]
-            elif isinstance(key.fileobj, int):
-                _reap(children.pop(key.fileobj), sel)
-            else:
-                _on_request(key.data, sel)
-
-
-def _start(request: dict, fds: list[int], sel, control: socket.socket, children: dict[int, _Child]) -> _Child:
-    conn, stdio = socket.socket(fileno=fds[0]), fds[1:]
-    pid = os.fork()
-    if pid == 0:
-        # Close what is the server's, by number: the objects stay referenced and the child never returns to them.
-        for fd in [control.fileno(), sel.fileno(), conn.fileno()] + [
-            fd for c in children.values() for fd in (c.pidfd, c.conn.fileno() if c.conn else -1) if fd >= 0
-        ]:
-            os.close(fd)
-        _child(request, stdio)  # never returns
-    for fd in stdio:
-        os.close(fd)
-    conn.send(json.dumps({"pid": pid}).encode())
-    return _Child(pid, os.pidfd_open(pid), conn)
-
-
-def _reap(child: _Child, sel) -> None:
-    _, status = os.waitpid(child.pid, 0)
-    sel.unregister(child.pidfd)
-    os.close(child.pidfd)
-    if child.conn is not None:
-        sel.unregister(child.conn)
-        try:
-            child.conn.send(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
-        except OSError:
-            pass  # the client is gone
-        child.conn.close()
-        child.conn = None  # a request on it in the same select() batch is then dropped
-
-
-def _on_request(child: _Child, sel) -> None:
-    if child.conn is None:  # reaped earlier in this select() batch
-        return
-    data = child.conn.recv(64)
-    if not data:  # the client closed its end; the process runs on, reaped when it ends
-        sel.unregister(child.conn)
-        child.conn.close()
-        child.conn = None
-        return
-    _signal(child, int(data))
-
-
-def _signal(child: _Child, sig: int) -> None:
-    try:
-        signal.pidfd_send_signal(child.pidfd, sig)
-    except ProcessLookupError:
-        pass  # ended; its exit is on the way
-
-
-def _child(request: dict, stdio: list[int]) -> None:
-    code = 70  # EX_SOFTWARE: the set-up below failed
-    try:
-        if request["new_session"]:
-            os.setsid()
-        for target, fd in enumerate(stdio):
-            os.dup2(fd, target)
-            os.close(fd)
-        if request["cwd"]:
-            os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        script = request["script"]
-        sys.path[0] = os.path.dirname(os.path.realpath(script)) if script else os.getcwd()  # as python sets it
-        sys.argv = [script or "-m", *request["argv"]]  # run_module puts the module's path in argv[0]
-        _fresh_state()
-        code = _run_main(script)
-    finally:
-        _flush()
-        os._exit(code)
+def _child(request: dict, fds: list[int]) -> int:
+    """A child of the server: the request's session, stdio, directory and environment, then its program."""
+    if request["new_session"]:
+        os.setsid()
+    place_fds(fds, [0, 1, 2])
+    if request["cwd"]:
+        os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _fresh_state()
+    return run_main(request["argv"], request["script"])
 
 
 def _fresh_state() -> None:
-    """What a fresh interpreter sets at its start and the server set at its own: NumPy's global generator (Python's
-    ``random`` reseeds itself at a fork) and the CLI's start time (metrics' wall_s and actor_start_timeout_s count
-    from it)."""
-    import time
-
-    import numpy
-
+    """What a fresh interpreter sets at its start and the server set at its own, besides what run_main sets again
+    (NumPy's generator): the CLI's start time (metrics' wall_s and actor_start_timeout_s count from it)."""
     import impala_async.cli
 
-    numpy.random.seed()
     impala_async.cli.START_MONOTONIC = time.monotonic()
-
-
-def _run_main(script: str) -> int:
-    """``python -m impala_async`` (or ``python SCRIPT``) from here: __main__ run fresh, then what the interpreter
-    does at exit."""
-    import atexit
-    import runpy
-    import threading
-
-    code = 0
-    try:
-        if script:
-            runpy.run_path(script, run_name="__main__")
-        else:
-            runpy.run_module("impala_async", run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        code = _exit_code(e.code)
-    except KeyboardInterrupt:
-        sys.excepthook(*sys.exc_info())  # type: ignore[arg-type]
-        _flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as CPython ends on an uncaught KeyboardInterrupt
-        os.kill(os.getpid(), signal.SIGINT)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())  # type: ignore[arg-type]
-        code = 1
-    threading._shutdown()  # type: ignore[attr-defined]  # wait for non-daemon threads, as at interpreter exit
-    atexit._run_exitfuncs()
-    return code
-
-
-def _exit_code(code) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
 
 
 # -- the client, in the pytest worker -------------------------------------------------------------------------------
 
 
-class Forked:
+class Forked(zygote.Forked):
     """A process the server forked, with the parts of subprocess.Popen the tests use."""
 
     def __init__(self, args: list[str], pid: int, conn: socket.socket, stdout=None, stderr=None, text=False):
-        self.args, self.pid, self.returncode = args, pid, None
+        super().__init__(args, pid, conn)
         self.stdout, self.stderr = stdout, stderr
-        self._conn, self._text = conn, text
+        self._text = text
         self._got: dict[int, bytearray] = {}  # what communicate() has read, by pipe
 
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self._read_exit(0)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None and not self._read_exit(timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
-        return self.returncode  # type: ignore[return-value]
-
-    def _read_exit(self, timeout: float | None) -> bool:
-        if not select.select([self._conn], [], [], timeout)[0]:
-            return False
-        data = self._conn.recv(4096)
-        if not data:
-            raise RuntimeError(f"the fork server ended before process {self.pid} did")
-        self.returncode = json.loads(data)["returncode"]
-        self._conn.close()
-        return True
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                self._conn.send(str(int(sig)).encode())
-            except OSError:
-                pass  # it ended meanwhile
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+    def _server_gone(self) -> int:
+        raise RuntimeError(f"the fork server ended before process {self.pid} did")
 
     def communicate(self, input=None, timeout: float | None = None):
         """Read the piped outputs to their end, then wait; a timeout keeps what was read for the next call."""
@@ -304,7 +130,6 @@ class Client:
               start_new_session=False) -> Forked:  # fmt: skip
         """Start ``python -m impala_async *argv`` (``python SCRIPT *argv`` given a script's path); stdin, stdout and
         stderr as subprocess.Popen takes them (None, a file, a descriptor, DEVNULL, PIPE; stderr also STDOUT)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         opened: list[int] = []  # our descriptors to close once sent
         fd_in = _fd(stdin, 0, opened)
         reader_out, fd_out = _out(stdout, 1, opened)
@@ -312,20 +137,15 @@ class Client:
         request = {"argv": list(argv), "script": str(script or ""), "env": dict(os.environ if env is None else env),
                    "cwd": str(cwd or ""), "new_session": start_new_session}  # fmt: skip
         try:
-            with self.lock:
-                socket.send_fds(self.control, [json.dumps(request).encode()], [theirs.fileno(), fd_in, fd_out, fd_err])
+            ours, pid = zygote.request(self.control, self.lock, request, [fd_in, fd_out, fd_err], START_TIMEOUT_S)
+        except OSError as e:
+            raise RuntimeError(f"the fork server started no process ({e}; exit {self.server.poll()})") from None
         finally:
-            theirs.close()
             for fd in opened:
                 os.close(fd)
-        if not select.select([ours], [], [], START_TIMEOUT_S)[0]:
-            raise RuntimeError(f"the fork server did not start a process within {START_TIMEOUT_S:g} s")
-        reply = ours.recv(4096)
-        if not reply:
-            raise RuntimeError(f"the fork server ended (exit {self.server.poll()}): see its stderr above")
         files = [None if r is None else open(r, "r" if text else "rb", closefd=True) for r in (reader_out, reader_err)]
         args = [sys.executable, *([str(script)] if script else ["-m", "impala_async"]), *argv]
-        return Forked(args, json.loads(reply)["pid"], ours, *files, text=text)
+        return Forked(args, pid, ours, *files, text=text)
 
     def close(self, timeout_s: float = 30.0) -> None:
         self.control.close()  # the server kills what still runs and ends
@@ -383,7 +203,9 @@ def _preload() -> None:
 
     import impala_async.cli  # noqa: F401
 
+    zygote.prepare_titles()  # a child that forks actors has its environment replaced: too late then
+
 
 if __name__ == "__main__":
     _preload()
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    serve(socket.socket(fileno=int(sys.argv[1])), _child)

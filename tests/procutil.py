@@ -148,8 +148,31 @@ def tail(log: Path | None, n: int = 40) -> str:
 
 
 def descendants(pid: int) -> list[int]:
+    return [p.pid for p in _below(pid)]
+
+
+def actors_under(pid: int) -> list[int]:
+    """The actor processes below ``pid``: its children, or its zygote's (impala_async/actors/zygote.py), each known
+    by its command line (a forked actor's is set to its own)."""
+    found = []
+    for p in _below(pid):
+        try:
+            cmd, status = words(p), p.status()
+        except psutil.Error:
+            continue
+        if "impala_async" in cmd and "actor" in cmd and status != psutil.STATUS_ZOMBIE:
+            found.append(p.pid)
+    return found
+
+
+def words(p: psutil.Process) -> list[str]:
+    """A process's command line as words, however it was set (a title that setproctitle wrote is one string)."""
+    return " ".join(p.cmdline()).split()
+
+
+def _below(pid: int) -> list[psutil.Process]:
     try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+        return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
 
@@ -165,13 +188,22 @@ def actor_pids() -> list[int]:
 
 
 def gone(pids, timeout_s: float) -> bool:
+    """Whether every one of ``pids`` has ended (a zombie has) within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
+    while True:
+        if all(ended(p) for p in pids):
             return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    return False
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended: reaped, or a zombie (reaped any moment: its parent may be quick)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 15) -> None:

@@ -224,7 +224,7 @@ def test_actor_options_come_from_one_source():
             actor_device="cuda:1", envs_per_actor=3, actor_codec="none", heartbeat_timeout_s=7.5
         ).actors.options()
     )
-    argv = actor_argv("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", 2, 9, seed=4, options=options)
+    argv = actor_argv("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556", 2, 9, 1, seed=4, options=options)
     args = cli.build_parser().parse_args(argv[argv.index("actor") :])
     assert cli._section(ActorOptions, args) == options
     assert (args.index, args.seed, args.heartbeat_fd, args.metrics_port) == (2, 4, 9, 0)

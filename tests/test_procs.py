@@ -14,7 +14,7 @@ from impala_async.actors.procs import ActorProcesses
 def program(run_s: float):
     """argv of a child that beats once, runs ``run_s`` seconds and exits 1 (as an actor that crashed)."""
     code = f"import os, sys, time; os.write(int(sys.argv[1]), b'.'); time.sleep({run_s}); sys.exit(1)"
-    return lambda index, heartbeat_fd: [sys.executable, "-c", code, str(heartbeat_fd)]
+    return lambda index, heartbeat_fd, parent_pid: [sys.executable, "-c", code, str(heartbeat_fd)]
 
 
 def supervise(procs: ActorProcesses, until, timeout_s: float) -> float:

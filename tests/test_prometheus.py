@@ -13,10 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import zmq
-from procutil import TINY, cli, free_port, free_port_pair, read_metrics, run_cli, stop, tail, wait_for
+from procutil import TINY, actors_under, cli, free_port, free_port_pair, read_metrics, run_cli, stop, tail, wait_for
 from prometheus_client import parser
 
 from impala_async import config
@@ -348,10 +347,10 @@ def test_actor_supervisor_healthz(tmp_path):
         assert value(first, "impala_async_actor_restarts_total") == 0
         assert exported(first) == documented("actors")
         assert healthcheck(mport).returncode == 0
-        children = psutil.Process(proc.pid).children()
+        children = actors_under(proc.pid)
         assert len(children) == 2
         for child in children:
-            child.kill()
+            os.kill(child, signal.SIGKILL)
         status, body = wait_for(lambda: (r := get(mport, "/healthz"))[0] == 503 and r, 20, "/healthz 503", proc, log)
         assert "no actor process heartbeating" in body, body
         assert healthcheck(mport).returncode == 1

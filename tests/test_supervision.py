@@ -8,11 +8,10 @@ import sys
 import time
 
 import inprocess
-import psutil
 import pytest
 import torch
 import zmq
-from procutil import TINY, cli, descendants, finish, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import TINY, actors_under, cli, ended, finish, free_port_pair, read_metrics, stop, tail, wait_for
 
 from impala_async.core import wire
 from impala_async.learner import checkpoint
@@ -51,7 +50,7 @@ def test_killed_and_stopped_actors_are_replaced(tmp_path):
     )
     try:
         wait_for(lambda: last(logdir).get("learner_steps", 0) > 0, 90, "training", proc, log)
-        actors = descendants(proc.pid)
+        actors = actors_under(proc.pid)
         assert len(actors) == 2
         os.kill(actors[0], signal.SIGKILL)  # a crash
         wait_for(
@@ -65,7 +64,7 @@ def test_killed_and_stopped_actors_are_replaced(tmp_path):
         os.kill(survivor, signal.SIGSTOP)  # a hang: alive, silent
         t0 = time.monotonic()
         wait_for(
-            lambda: not psutil.pid_exists(survivor) or psutil.Process(survivor).status() == "zombie",
+            lambda: ended(survivor),
             30,
             "the stopped actor to be killed",
             proc,
@@ -141,7 +140,7 @@ def test_all_actors_gone_exits_nonzero(tmp_path):
     )
     try:
         wait_for(lambda: last(logdir).get("learner_steps", 0) > 0, 90, "training", proc, log)
-        for pid in descendants(proc.pid):
+        for pid in actors_under(proc.pid):
             os.kill(pid, signal.SIGKILL)
         code = proc.wait(30)
         assert code != 0
@@ -228,7 +227,7 @@ def test_learner_restart_with_surviving_external_actors(tmp_path):
     try:
         wait_for(lambda: last(logdir).get("learner_steps", 0) > 0, 90, "training", learner, llog)
         wait_for(lambda: checkpoint.list_checkpoints(logdir), 30, "a periodic checkpoint", learner, llog)
-        actor_pids = descendants(actors.pid)
+        actor_pids = actors_under(actors.pid)
         learner.kill()  # SIGKILL: no goodbye to the actors
         learner.wait()
         before = last(logdir)["learner_steps"]
@@ -243,7 +242,7 @@ def test_learner_restart_with_surviving_external_actors(tmp_path):
             learner,
             tmp_path / "learner2.log",
         )
-        assert descendants(actors.pid) == actor_pids, "the external actors were restarted"
+        assert actors_under(actors.pid) == actor_pids, "the external actors were restarted"
         assert actors.poll() is None
         # What the actors had queued was acted with the first run's weights: dropped as another incarnation's,
         # never rejected (their versions are above the resumed learner's: they used to count as future_version).

@@ -11,6 +11,6 @@ done
 # Already on the device (its package list): numpy, msgpack, uvloop, opencv-python-headless, cloudpickle,
 # typing-extensions, psutil, pytest, hypothesis.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
-  -d .whl gymnasium==1.4.0 farama-notifications lz4 cramjam pyzmq ale-py
+  -d .whl gymnasium==1.4.0 farama-notifications lz4 cramjam pyzmq ale-py setproctitle
 ls -la .whl
 du -sh .whl

@@ -57,6 +57,7 @@ import attacks  # noqa: E402  (tests/attacks.py: the same attacks as tests/test_
 import attacks_checkpoints  # noqa: E402
 import attacks_control  # noqa: E402  (issue 15's: tests/test_misleading.py, test_outbound_attacks.py, ...)
 import attacks_health  # noqa: E402
+import procutil  # noqa: E402
 
 from impala_async.learner import checkpoint  # noqa: E402
 from impala_async.learner.reports.metrics import read_metrics  # noqa: E402
@@ -336,11 +337,11 @@ def main() -> int:
                 counting_from = now
             if time.monotonic() >= next_chaos:
                 next_chaos += a.kill_every_s
-                kids = [c for c in proc.children() if c.status() != psutil.STATUS_ZOMBIE]
+                kids = procutil.actors_under(learner.pid)  # not the actors' zygote: chaos is an actor's crash or hang
                 if kids:
                     victim = rnd.choice(kids)
                     how = "killed" if chaos["killed"] <= chaos["stopped"] else "stopped"
-                    os.kill(victim.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+                    os.kill(victim, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
                     chaos[how] += 1
     finally:
         honest.counting.clear()

@@ -67,15 +67,27 @@ def run(
 
 def supervise(target: ActorTarget, options: ActorOptions, metrics: MetricsHttp, weights: str, serve_port: int) -> int:
     """``target.num_actors`` actor processes, restarted as ``options`` say, /healthz on ``serve_port`` (0: off)."""
+    from .zygote import Zygote
+
+    zygote = Zygote.fork() if options.forks() else None  # first: this process runs no thread yet
+    try:
+        return _supervise(target, options, metrics, weights, serve_port, zygote)
+    finally:
+        if zygote is not None:
+            zygote.close()
+
+
+def _supervise(target: ActorTarget, options: ActorOptions, metrics: MetricsHttp, weights: str, serve_port: int, zygote):
     from . import observe
     from .procs import ActorProcesses, actor_argv
 
     procs = ActorProcesses.with_options(
-        lambda i, fd: actor_argv(
+        lambda i, fd, parent: actor_argv(
             target.learner,
             weights,
             target.index + i,
             fd,
+            parent,
             seed=target.seed,
             options=options,
             curve_keys=target.curve_keys,
@@ -83,6 +95,7 @@ def supervise(target: ActorTarget, options: ActorOptions, metrics: MetricsHttp, 
         ),
         target.num_actors,
         options,
+        zygote,
     )
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))

@@ -1,7 +1,9 @@
 """Local actor processes: start, watch (exit and heartbeat), restart with backoff, stop. No asyncio, no learner code.
 
-Each actor is a fresh interpreter (``python -m impala_async actor ...``), never a fork of the learner: it shares no
-memory, no CUDA context and no locks with it, and it is the same program an actor machine runs. Each one gets the
+Each actor is the program an actor machine runs (``python -m impala_async actor ...``), never a fork of the running
+learner: it shares no CUDA context, no thread and no lock with it. It is forked from the supervisor's zygote (a copy
+of the supervisor made at its start, torch imported: actors/zygote.py) or, where that cannot be, a fresh
+interpreter. Each one gets the
 write end of a pipe and writes a byte to it every ``heartbeat_interval_s`` from its main loop; an actor that stays
 silent for ``heartbeat_timeout_s`` (hung, or stopped with SIGSTOP) is killed and restarted like one that crashed.
 Before a long step that cannot beat (building its environments: 32 ALE games take about 10 s here) it writes
@@ -18,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..ops import exitcodes
 
@@ -32,14 +35,19 @@ def die_with_parent(parent_pid: int) -> None:
     it exits at once if the parent is gone already. 0: nothing (a process started by hand)."""
     if not parent_pid:
         return
+    set_death_signal(signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        raise SystemExit(0)
+
+
+def set_death_signal(sig: int) -> None:
+    """This process gets ``sig`` when its parent dies (Linux PR_SET_PDEATHSIG; elsewhere nothing)."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        raise SystemExit(0)
 
 
 class Heartbeat:
@@ -77,7 +85,7 @@ class Heartbeat:
 @dataclass
 class _Child:
     index: int
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | None = None  # or a zygote's Forked, with the same methods
     heartbeat_fd: int | None = None
     last_beat: float = 0.0
     beats: int = 0
@@ -88,12 +96,23 @@ class _Child:
     exits: list = field(default_factory=list)
 
 
+class Spawner(Protocol):
+    """What forks actors instead of starting fresh interpreters: a Zygote (actors/zygote.py)."""
+
+    pid: int
+
+    def runs(self, argv: list[str]) -> bool: ...
+
+    def spawn(self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()): ...
+
+
 class ActorProcesses:
-    """``count`` actor processes; ``argv(index, heartbeat_fd)`` gives the command line of actor ``index``."""
+    """``count`` actor processes; ``argv(index, heartbeat_fd, parent_pid)`` gives the command line of actor
+    ``index``; ``zygote``, where given, forks those it can run (else each is a fresh interpreter)."""
 
     def __init__(
         self,
-        argv: Callable[[int, int], list[str]],
+        argv: Callable[[int, int, int], list[str]],
         count: int,
         *,
         max_restarts: int = 10,
@@ -101,8 +120,10 @@ class ActorProcesses:
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         stable_after_s: float = 30.0,
+        zygote: Spawner | None = None,
     ):
         self._argv = argv
+        self._zygote = zygote
         self._children = [_Child(i) for i in range(count)]
         self.max_restarts = max_restarts
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -114,7 +135,9 @@ class ActorProcesses:
         self.gave_up: list[int] = []
 
     @classmethod
-    def with_options(cls, argv: Callable[[int, int], list[str]], count: int, options) -> ActorProcesses:
+    def with_options(
+        cls, argv: Callable[[int, int, int], list[str]], count: int, options, zygote: Spawner | None = None
+    ) -> ActorProcesses:
         """Supervise ``count`` actors as ``options`` (an ActorOptions) say: restarts, heartbeat timeout."""
         return cls(
             argv,
@@ -122,6 +145,7 @@ class ActorProcesses:
             max_restarts=options.max_actor_restarts,
             heartbeat_timeout_s=options.heartbeat_timeout_s,
             stable_after_s=options.actor_stable_after_s,
+            zygote=zygote,
         )
 
     def start(self) -> None:
@@ -131,22 +155,34 @@ class ActorProcesses:
     def _spawn(self, c: _Child) -> None:
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
-            # Own session: a Ctrl-C in the terminal reaches only the learner, which then stops actors in order.
-            c.proc = subprocess.Popen(
-                self._argv(c.index, write_fd),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                pass_fds=(write_fd,),
-            )
+            c.proc = self._start(c.index, write_fd)
         finally:
             os.close(write_fd)
         c.heartbeat_fd = read_fd
         c.started_at = time.monotonic()
         c.last_beat = c.started_at + STARTUP_GRACE_S  # the first beat may take a while
         c.beats = 0
+
+    def _start(self, index: int, heartbeat_fd: int):
+        """Actor ``index``'s process (a subprocess.Popen, or what the zygote forked), in a session of its own: a
+        Ctrl-C in the terminal reaches only the supervisor, which then stops actors in order."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self._zygote is not None:
+            argv = self._argv(index, heartbeat_fd, self._zygote.pid)
+            if self._zygote.runs(argv):
+                try:
+                    return self._zygote.spawn(argv, env, (heartbeat_fd,))
+                except OSError as e:
+                    log.warning("the actors' zygote failed (%s): actors start as fresh interpreters from now", e)
+                    self._zygote = None
+        return subprocess.Popen(
+            self._argv(index, heartbeat_fd, os.getpid()),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            pass_fds=(heartbeat_fd,),
+        )
 
     def _read_beats(self, c: _Child, now: float) -> None:
         try:
@@ -291,6 +327,7 @@ def actor_argv(
     weights: str,
     index: int,
     heartbeat_fd: int,
+    parent_pid: int,
     *,
     seed: int,
     options,
@@ -298,8 +335,8 @@ def actor_argv(
     env_backend: str = "",
 ) -> list[str]:
     """The command line of supervised actor ``index``: ``options`` (an ActorOptions, config/actors.py) spelled out in
-    full, the supervisor's heartbeat pipe and pid, and never a metrics port (the supervisor serves /healthz; children
-    must not take its port from the environment)."""
+    full, the supervisor's heartbeat pipe, the pid of the actor's parent (the supervisor, or its zygote), and never a
+    metrics port (the supervisor serves /healthz; children must not take its port from the environment)."""
     return [
         sys.executable,
         "-m",
@@ -315,7 +352,7 @@ def actor_argv(
         str(seed),
         *options.argv(),
         "--parent-pid",
-        str(os.getpid()),
+        str(parent_pid),
         "--heartbeat-fd",
         str(heartbeat_fd),
         "--metrics-port",

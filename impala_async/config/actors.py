@@ -139,6 +139,13 @@ class ActorOptions(Section):
     max_wait_for_weights_s: float = opt(
         600.0, "an actor gives up if no weights arrive within this long", learner_flag="actor_max_wait_for_weights_s"
     )
+    actor_start: str = opt(
+        "fork",
+        "how a supervisor starts an actor process: fork (from its zygote, a copy of the supervisor made at its "
+        "start with torch imported: a few milliseconds) or spawn (a fresh interpreter: about 3 s of CPU importing "
+        "torch); actors on CUDA always spawn",
+        choices=("fork", "spawn"),
+    )
     heartbeat_interval_s: float = opt(1.0, "actors report to their supervisor that they are alive this often")
     heartbeat_timeout_s: float = opt(10.0, "the supervisor replaces an actor silent (hung, stopped) for this long")
     max_actor_restarts: int = opt(
@@ -166,6 +173,10 @@ class ActorOptions(Section):
             self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s,
             "heartbeat_timeout_s must exceed twice heartbeat_interval_s, or healthy actors would be killed",
         )
+
+    def forks(self) -> bool:
+        """Whether a supervisor of these actors forks them from a zygote (actors/zygote.py)."""
+        return self.actor_start == "fork" and self.device == "cpu"
 
     def argv(self) -> list[str]:
         """These options as ``impala-async actor`` flags, every one spelled out (a child never relies on defaults

@@ -135,6 +135,22 @@ def run(
     layered: Layered, resumed: dict | None, *, command: str, default_listen: str, argv=(), start_monotonic: float = 0.0
 ) -> int:
     """Serve one learner process until the run ends; its exit code (README, Exit codes)."""
+    zygote = _zygote(layered.cfg)  # first: this process runs no thread yet
+    try:
+        return _run(layered, resumed, command, default_listen, argv, start_monotonic, zygote)
+    finally:
+        if zygote is not None:
+            zygote.close()
+
+
+def _zygote(cfg: LearnerConfig):
+    """The local actors' zygote (actors/zygote.py), forked now, or None: no local actors, or actors that spawn."""
+    from ..actors.zygote import Zygote
+
+    return Zygote.fork() if cfg.actors.num_actors != 0 and cfg.actors.options().forks() else None
+
+
+def _run(layered: Layered, resumed, command: str, default_listen: str, argv, start_monotonic: float, zygote) -> int:
     group, layered, spec, env_backend, (keys, device) = ranks.join(
         layered,
         resumed,
@@ -157,7 +173,7 @@ def run(
             "from their seeds"
         )
     try:
-        return _serve(layered, spec, env_backend, device, keys, group, start_monotonic)
+        return _serve(layered, spec, env_backend, device, keys, group, start_monotonic, zygote)
     finally:
         if lock is not None:
             lock.release()
@@ -236,7 +252,7 @@ def lock_logdir(logdir: str):
         raise SystemExit(f"impala-async: cannot use the logdir {logdir} (--logdir): {e.strerror or e}") from None
 
 
-def _serve(layered: Layered, spec, env_backend: str, device, keys, group, start_monotonic: float) -> int:
+def _serve(layered: Layered, spec, env_backend: str, device, keys, group, start_monotonic: float, zygote) -> int:
     import uvloop
 
     from .checkpoint import resume
@@ -249,7 +265,7 @@ def _serve(layered: Layered, spec, env_backend: str, device, keys, group, start_
     )
     learner.warm_up()  # CUDA's lazy start before any actor can send
     group.distribute(learner)  # several ranks: gradients averaged over them
-    make_actors, keys = _local_actors(cfg, keys, group)
+    make_actors, keys = _local_actors(cfg, keys, group, zygote)
     server = LearnerServer(
         cfg,
         learner,
@@ -299,7 +315,7 @@ def run_info(cfg: LearnerConfig, spec, learner, env_backend: str) -> dict:
     }
 
 
-def _local_actors(cfg: LearnerConfig, keys, group):
+def _local_actors(cfg: LearnerConfig, keys, group, zygote):
     """(``make_actors(listen, publish)``: train's local actor processes for the addresses bound, not started, or None;
     the CURVE keys, with theirs admitted)."""
     from pathlib import Path
@@ -314,15 +330,17 @@ def _local_actors(cfg: LearnerConfig, keys, group):
         )
     count = group.local_actors(cfg.local_actors)
     if count <= 0:
+        if zygote is not None:
+            zygote.close()  # a rank other than 0: rank 0 starts the actors
         return (lambda listen, publish: None), keys
     options = cfg.actors.options()
 
     def make_actors(listen: str, publish: str) -> ActorProcesses:
-        def argv(i: int, fd: int) -> list[str]:
+        def argv(i: int, fd: int, parent: int) -> list[str]:
             return actor_argv(
-                listen, publish, i, fd, seed=cfg.run.seed, options=options, curve_keys=str(local_dir or "")
+                listen, publish, i, fd, parent, seed=cfg.run.seed, options=options, curve_keys=str(local_dir or "")
             )
 
-        return ActorProcesses.with_options(argv, count, options)
+        return ActorProcesses.with_options(argv, count, options, zygote)
 
     return make_actors, keys
