@@ -120,8 +120,9 @@ def _argv(script, args, python=None) -> list[str]:
 def _forkable(env: dict) -> bool:
     if os.environ.get("IMPALA_ASYNC_TEST_FORK", "1") == "0":
         return False
-    keys = {k for k in (*env, *os.environ) if k.startswith(_IMPORT_TIME) and k != "PYTHONUNBUFFERED"}
-    return all(env.get(k) == os.environ.get(k) for k in keys)
+    imported = forkserver.client().env  # what the server's modules were imported under (not this worker's now)
+    keys = {k for k in (*env, *imported) if k.startswith(_IMPORT_TIME) and k != "PYTHONUNBUFFERED"}
+    return all(env.get(k) == imported.get(k) for k in keys)
 
 
 def read_metrics(logdir: Path) -> list[dict]:

@@ -86,3 +86,16 @@ def test_the_interpreters_exit_joins_threads_and_runs_atexit(tmp_path, script):
     assert out.returncode == 0, out.stderr
     assert done.read_text().split() == ["thread", "atexit"], "the thread joined first, then atexit, as at exit"
     assert time.monotonic() - t0 >= 0.3
+
+
+def test_a_variable_read_at_import_is_compared_with_the_servers_not_the_workers(monkeypatch):
+    """The server's modules were imported under the worker's environment as it was when the server started: a
+    variable read at import that the worker sets later (a test's monkeypatch) needs a real interpreter, even though
+    the child's environment is the worker's."""
+    import procutil
+
+    if os.environ.get("IMPALA_ASYNC_TEST_FORK", "1") == "0":
+        pytest.skip("IMPALA_ASYNC_TEST_FORK=0: no fork server")
+    assert procutil._forkable(dict(os.environ))  # starts the server (if not yet) under this environment
+    monkeypatch.setenv("IMPALA_ASYNC_METRICS_HOST", "127.0.0.2")  # read at import: a config default
+    assert not procutil._forkable(dict(os.environ))
