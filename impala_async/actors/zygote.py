@@ -3,9 +3,9 @@
 A fresh interpreter pays about 3 s of CPU importing torch, NumPy, ZeroMQ and gymnasium before it does a thing
 (BENCHMARKS.md, section 20): on a small machine a supervisor's actors start one after another, and a restart waits as
 long. So a supervisor (train's learner, or ``impala-async actor --num-actors N``) forks a *zygote* at its start,
-while it runs no thread of its own, has no ZeroMQ context and no CUDA; the zygote, an idle copy with those modules
-imported, forks each actor on request. An actor so made is the program ``python -m impala_async actor ARGS`` runs:
-its own pid and session, stdin from /dev/null, the heartbeat pipe at the descriptor its argv names and no other
+while it runs no thread of its own, has no ZeroMQ or CUDA context; the zygote imports what an actor imports,
+then forks each actor on request. An actor so made is the program ``python -m impala_async actor ARGS`` runs: its
+own pid and session, stdin from /dev/null, the heartbeat pipe at the descriptor its argv names and no other
 descriptor of the supervisor, the supervisor's environment as of the request, ``__main__`` run fresh and the
 interpreter's exit emulated (non-daemon threads joined, atexit, streams flushed; exit codes and signal deaths as
 :class:`subprocess.Popen` reports them). ``ps`` shows its command line (setproctitle). Library thread pools that
@@ -45,7 +45,7 @@ log = logging.getLogger("impala_async.actors.zygote")
 
 MAX_REQUEST_BYTES = 1 << 20
 MAX_FDS = 8  # descriptors one request passes (the reply socket and the child's own)
-START_TIMEOUT_S = 30.0  # a fork answers in milliseconds; this long means the zygote is stuck
+START_TIMEOUT_S = 120.0  # a fork answers in milliseconds, the first after the zygote's imports; this long: stuck
 EX_SOFTWARE = 70  # a child's set-up failed before its program ran
 
 
@@ -146,7 +146,7 @@ def place_fds(fds: list[int], targets: list[int]) -> None:
     """Descriptor ``fds[i]`` at number ``targets[i]``, and no other above 2 left open (as subprocess.Popen's
     close_fds): what a child of the server holds is what it was given."""
     base = max([*targets, *fds, 2]) + 1
-    moved = [os.dup(fd) if fd >= base else _dup_above(fd, base) for fd in fds]  # out of every target's way
+    moved = [_dup_above(fd, base) for fd in fds]  # out of every target's way
     for fd in fds:
         os.close(fd)
     for fd, target in zip(moved, targets, strict=True):
@@ -340,6 +340,8 @@ class Zygote:
                 prepare_titles()  # here, not in the supervisor: /proc/PID/environ of the supervisor stays readable
                 set_title(["impala-async", "zygote", f"(forks the actors of {parent})"])
                 if os.getppid() == parent:  # else the supervisor died before prctl took effect
+                    from . import actor  # noqa: F401  # what an actor imports (torch, ...), once: here
+
                     serve(theirs, _actor)
                     code = 0
             finally:

@@ -135,29 +135,23 @@ def run(
     layered: Layered, resumed: dict | None, *, command: str, default_listen: str, argv=(), start_monotonic: float = 0.0
 ) -> int:
     """Serve one learner process until the run ends; its exit code (README, Exit codes)."""
-    zygote = _zygote(layered.cfg)  # first: this process runs no thread yet
+    zygotes: list = []  # the local actors' zygote, forked by _prepare
     try:
-        return _run(layered, resumed, command, default_listen, argv, start_monotonic, zygote)
+        return _run(layered, resumed, command, default_listen, argv, start_monotonic, zygotes)
     finally:
-        if zygote is not None:
+        for zygote in zygotes:
             zygote.close()
 
 
-def _zygote(cfg: LearnerConfig):
-    """The local actors' zygote (actors/zygote.py), forked now, or None: no local actors, or actors that spawn."""
-    from ..actors.zygote import Zygote
-
-    return Zygote.fork() if cfg.actors.num_actors != 0 and cfg.actors.options().forks() else None
-
-
-def _run(layered: Layered, resumed, command: str, default_listen: str, argv, start_monotonic: float, zygote) -> int:
+def _run(layered: Layered, resumed, command: str, default_listen: str, argv, start_monotonic: float, zygotes) -> int:
     group, layered, spec, env_backend, (keys, device) = ranks.join(
         layered,
         resumed,
         list(argv),
-        prepare=lambda cfg: _prepare(cfg, default_listen),
+        prepare=lambda cfg: _prepare(cfg, default_listen, zygotes),
         resolve=lambda layered: _resolve(layered, default_listen),
     )
+    zygote = zygotes[0] if zygotes else None
     cfg = layered.cfg
     if device.type == "cpu":
         import torch
@@ -179,14 +173,20 @@ def _run(layered: Layered, resumed, command: str, default_listen: str, argv, sta
             lock.release()
 
 
-def _prepare(cfg: LearnerConfig, default_listen: str):
+def _prepare(cfg: LearnerConfig, default_listen: str, zygotes: list):
     """(the CURVE keys, the learner's device), the random generators seeded: what every rank does first with the
-    configuration it runs. A refusal to start (:func:`refuse`) comes before the heavy imports."""
+    configuration it runs. A refusal to start (:func:`refuse`) comes before the heavy imports. The local actors'
+    zygote (actors/zygote.py) is forked once torch is imported and before anything else: no environment built yet
+    (OpenCV's threads), no thread of this process, no generator seeded (an actor's are as a fresh interpreter's)."""
     try:
         keys = refuse(cfg, default_listen)
     except (ValueError, OSError) as e:
         raise SystemExit(f"impala-async: {e}") from None
     device = resolve_device(cfg.run.device)
+    if cfg.actors.num_actors != 0 and cfg.actors.options().forks():
+        from ..actors.zygote import Zygote
+
+        zygotes.extend([z for z in [Zygote.fork()] if z is not None])
     seed_generators(cfg)
     return keys, device
 
