@@ -59,12 +59,17 @@ def _attack_figures(r):
     assert r["figures"]["rejected_inconsistent"] == 250, r  # every crafted message refused
 
 
+def _actor_start(r):
+    assert [len(r[m]["runs_s"]) for m in ("fork", "spawn")] == [1, 1] and r["fork"]["median_s"] > 0, r
+
+
 def _ceiling(r):
     assert r["ceiling_before"]["ceiling_agent_steps_per_s"] > 0 and r["ceiling_before"]["learn_us"] > 0, r
 
 
 SMALLEST = {
     "code_shape": (["--json"], _code_shape),
+    "actor_start": (["--repeats", "1", "--json"], _actor_start),
     "bench_actor": (
         ["--env", "CartPole-v1", "--envs", "2", "--steps", "20", "--unroll-length", "5", "--warmup-unrolls", "1",
          "--backends", "gymnasium", "--json"],
