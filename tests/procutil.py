@@ -153,17 +153,17 @@ def descendants(pid: int) -> list[int]:
 
 
 def actors_under(pid: int) -> list[int]:
-    """The actor processes below ``pid``: its children, or its zygote's (impala_async/actors/zygote.py), each known
-    by its command line (a forked actor's is set to its own)."""
-    found = []
-    for p in _below(pid):
-        try:
-            cmd, status = words(p), p.status()
-        except psutil.Error:
-            continue
-        if "impala_async" in cmd and "actor" in cmd and status != psutil.STATUS_ZOMBIE:
-            found.append(p.pid)
-    return found
+    """The actor processes below ``pid``: its children, or its zygote's (impala_async/actors/zygote.py)."""
+    return [p.pid for p in _below(pid) if _is_actor(p)]
+
+
+def _is_actor(p: psutil.Process) -> bool:
+    """An 'impala_async actor' process, known by its command line (a forked actor's is set to its own), not ended."""
+    try:
+        cmd, status = words(p), p.status()
+    except psutil.Error:
+        return False
+    return "impala_async" in cmd and "actor" in cmd and status != psutil.STATUS_ZOMBIE
 
 
 def words(p: psutil.Process) -> list[str]:
@@ -180,12 +180,7 @@ def _below(pid: int) -> list[psutil.Process]:
 
 def actor_pids() -> list[int]:
     """Every 'impala_async actor' process of this user, wherever it is in the process tree."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        cmd = p.info["cmdline"] or []
-        if "impala_async" in cmd and "actor" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(p.pid)
-    return found
+    return [p.pid for p in psutil.process_iter() if _is_actor(p)]
 
 
 def gone(pids, timeout_s: float) -> bool:
