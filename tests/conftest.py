@@ -4,6 +4,7 @@ import subprocess
 from pathlib import Path
 
 import forkserver
+import psutil
 import pytest
 import zmq
 
@@ -47,6 +48,7 @@ def ctx():
 _popen_started = [0]
 _SERVER = str(Path(forkserver.__file__).resolve())
 _POPEN_BEFORE = pytest.StashKey[int]()
+_CPU_BEFORE = pytest.StashKey[float]()
 
 
 def _counting(init):
@@ -63,9 +65,24 @@ subprocess.Popen.__init__ = _counting(subprocess.Popen.__init__)  # type: ignore
 forkserver.Forked.__init__ = _counting(forkserver.Forked.__init__)  # type: ignore[method-assign]
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this worker, the processes it has reaped, and the fork server with the processes
+    it has reaped: the CLI processes a test starts and theirs (train's zygote and actors, rank 1) once they ended."""
+    t = os.times()
+    total = t.user + t.system + t.children_user + t.children_system
+    if forkserver._client:
+        try:
+            c = psutil.Process(forkserver._client[0].server.pid).cpu_times()
+            total += c.user + c.system + c.children_user + c.children_system
+        except psutil.Error:
+            pass
+    return total
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     item.stash[_POPEN_BEFORE] = _popen_started[0]
+    item.stash[_CPU_BEFORE] = _cpu_s()
     yield
 
 
@@ -73,6 +90,8 @@ def pytest_runtest_setup(item):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    if call.when == "teardown" and _CPU_BEFORE in item.stash:
+        report.user_properties.append(("cpu_s", _cpu_s() - item.stash[_CPU_BEFORE]))
     started = _popen_started[0] - item.stash.get(_POPEN_BEFORE, _popen_started[0])
     if call.when == "call" and started:
         report.user_properties.append(("processes_started", started))  # summed below, across xdist workers
@@ -103,3 +122,23 @@ def pytest_terminal_summary(terminalreporter):
     if any(counts):
         tests = sum(1 for c in counts if c)
         terminalreporter.write_line(f"processes started by the tests themselves: {sum(counts)}, by {tests} tests")
+    _cpu_summary(terminalreporter)
+
+
+def _cpu_summary(terminalreporter, shown: int = 25) -> None:
+    """The suite's CPU by test, beside each test's wall time: on two cores a test that holds both for its whole
+    time costs the run twice what a waiting one does. A test's CPU is its own process tree's once reaped (so a module
+    fixture's learner counts where it ends), and fairly level on a busy machine where wall time is not."""
+    wall_s: dict[str, float] = {}
+    cpu_s: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if isinstance(r, pytest.TestReport):
+                wall_s[r.nodeid] = wall_s.get(r.nodeid, 0.0) + r.duration
+                cpu_s[r.nodeid] = cpu_s.get(r.nodeid, 0.0) + dict(r.user_properties).get("cpu_s", 0.0)
+    if not any(cpu_s.values()):
+        return
+    total = f"{sum(cpu_s.values()):.1f} s of CPU in {sum(wall_s.values()):.1f} s of tests"
+    terminalreporter.write_sep("=", f"most CPU ({total})")
+    for nodeid in sorted(cpu_s, key=cpu_s.__getitem__, reverse=True)[:shown]:
+        terminalreporter.write_line(f"{cpu_s[nodeid]:8.2f}s cpu {wall_s[nodeid]:8.2f}s wall  {nodeid}")
