@@ -221,24 +221,54 @@ def stop(proc: subprocess.Popen, timeout_s: float = 15) -> None:
 
 def free_port() -> int:
     """A port free on 127.0.0.1 (for --metrics-port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 def free_port_pair() -> int:
     """A port p such that p and p + 1 are both free on 127.0.0.1 (for --listen and its default --publish)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
+    return free_ports(2)
+
+
+def free_ports(n: int) -> int:
+    """A port p such that p .. p + n - 1 are free on 127.0.0.1, from this worker's own block below the ephemeral
+    range. A port the system handed out (bind to 0) is in the range every outgoing connection takes its local port
+    from, so p + 1 could go to another test's connection before the learner bound it (seen: "cannot bind ...
+    --publish: Address already in use"); below the range only the tests choose ports, each xdist worker in its own
+    block, and a worker moves through its block rather than handing out a port again at once."""
+    low, high = _port_block()
+    for _ in range(high - low):
+        port = _next_port[0]
+        _next_port[0] = port + n if port + 2 * n <= high else low
+        if all(_bindable(p) for p in range(port, port + n)):
             return port
+    raise RuntimeError(f"no {n} free consecutive ports in {low}-{high}")
+
+
+def _port_block() -> tuple[int, int]:
+    """[low, high) of this process's ports: the range 10000 to the ephemeral range's start, split among workers."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = max(16, (ephemeral_low - 10000) // max(1, workers))
+    low = 10000 + index * size
+    if not _next_port:
+        _next_port.append(low + (os.getpid() * 7919) % (size - 16))  # two pytest runs at once start apart
+    return low, low + size
+
+
+_next_port: list[int] = []
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
         except OSError:
-            continue
-    raise RuntimeError("no free port pair")
+            return False
+    return True
 
 
 def finish(proc: subprocess.Popen, log: Path | None, timeout_s: float, code: int = 0) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 
@@ -23,7 +22,7 @@ import psutil
 import pytest
 import torch
 import zmq
-from procutil import TINY, actors_under, cli, descendants, finish, gone, read_metrics, stop, tail, wait_for
+from procutil import TINY, actors_under, cli, descendants, finish, free_ports, gone, read_metrics, stop, tail, wait_for
 
 from impala_async.actors.endpoints import Endpoints, resolve
 from impala_async.config import LearnerConfig
@@ -172,27 +171,9 @@ def test_two_ranks_learn_cartpole_in_lock_step(tmp_path):
     assert all(torch.equal(saved["learner"]["model"][k], v) for k, v in state["model"].items())
 
 
-def _free_ports(n: int) -> int:
-    """p such that p .. p + n - 1 are free on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + n > 65535:
-            continue
-        try:
-            for k in range(1, n):
-                with socket.socket() as s2:
-                    s2.bind(("127.0.0.1", port + k))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
-
-
 @pytest.mark.process
 def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
-    port = _free_ports(3)  # rank 0, weights, rank 1
+    port = free_ports(3)  # rank 0, weights, rank 1
     logdir, llog, alog, llog2 = tmp_path / "run", tmp_path / "learner.log", tmp_path / "actors.log", tmp_path / "l2"
     learner = cli(
         "learner",
