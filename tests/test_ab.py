@@ -82,6 +82,17 @@ def test_every_problem_of_an_experiment_file_is_reported_at_once(tmp_path):
     assert out.returncode == 2 and "unknown key 'colour'" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_dotted_arm_name_is_refused_not_run_as_a_nested_flag(tmp_path):
+    """``[arms.entropy-0.0006]`` is TOML for arms["entropy-0"]["0006"]: once run as ``--0006 {...}`` (exit 2)."""
+    dotted = tmp_path / "dotted.toml"
+    dotted.write_text('name = "x"\nseeds = [0]\ntotal_env_steps = 10\n[arms.entropy-0.0006]\nentropy_cost = 0.0006\n')
+    with pytest.raises(ValueError, match=r"arm 'entropy-0': '0006' is not a flag name .* quote it"):
+        ab.Experiment.load(dotted)
+    dotted.write_text(dotted.read_text().replace("[arms.entropy-0.0006]", '[arms."entropy-0.0006"]'))
+    exp = ab.Experiment.load(dotted)
+    assert ab.command(exp, "entropy-0.0006", 0, tmp_path)[-8:-6] == ["--entropy-cost", "0.0006"]
+
+
 def test_layers_become_the_command_line_in_order(tmp_path):
     (tmp_path / "base.toml").write_text("batch_size = 8\n")
     exp = ab.Experiment.load(write_experiment(tmp_path / "e.toml", config="base.toml"))

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -66,6 +67,7 @@ DEFAULT_CHECKPOINTS = (0.25, 0.5, 0.75)
 BUSY_LOAD = 0.5  # a load average above this at a run's start: something else is running
 POLL_S = 1.0
 STOP_GRACE_S = 60.0  # after SIGINT a run gets this long to write its final checkpoint before SIGKILL
+FLAG_NAME = re.compile(r"[a-z][a-z0-9_]*")  # a field of train's configuration, as the flag names it
 EXPERIMENT_KEYS = {
     "name",
     "seeds",
@@ -104,6 +106,11 @@ class Experiment:
         arms = raw.get("arms", {})
         if not isinstance(arms, dict) or not arms or not all(isinstance(v, dict) for v in arms.values()):
             errors.append("arms must be one table or more: [arms.NAME] with the arm's flags")
+        named = [("flags", raw.get("flags", {}))]
+        named += [(f"arm {k!r}", v) for k, v in arms.items()] if isinstance(arms, dict) else []
+        for where, values in named:
+            bad = [n for n in values if not FLAG_NAME.fullmatch(str(n))] if isinstance(values, dict) else []
+            errors += [f"{where}: {n!r} is not a flag name (a dot in [arms.NAME] nests a table: quote it)" for n in bad]
         if not all(isinstance(s, int) for s in raw.get("seeds", [])) or not raw.get("seeds"):
             errors.append("seeds must be a non-empty list of integers")
         if not all(0 < f < 1 for f in raw.get("checkpoints", DEFAULT_CHECKPOINTS)):
