@@ -22,8 +22,9 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
 
 
 def reference(logits, values, behaviour, actions, rewards, discounts, hp, entropy_cost):
-    """(loss, pg loss, baseline loss, entropy, d loss / d values [T+1, B]): the paper's V-trace targets by their
-    recursion, v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1})), and the three losses as batch means."""
+    """(loss, pg loss, baseline loss, entropy, d loss / d values [T+1, B], mean |advantage| before normalisation,
+    explained variance): the paper's V-trace targets by their recursion, v_s - V(x_s) = delta_s + gamma_s c_s
+    (v_{s+1} - V(x_{s+1})), and the three losses as batch means."""
     logp = _log_softmax(logits[:T])  # [T, B, A]
     logmu = _log_softmax(behaviour)
     taken = np.take_along_axis(logp, actions[..., None], -1)[..., 0]  # [T, B]
@@ -40,6 +41,8 @@ def reference(logits, values, behaviour, actions, rewards, discounts, hp, entrop
             vs[s, b] = v[s, b] + acc
     vs_next = np.concatenate([vs[1:], bootstrap[None]])
     advantage = np.minimum(hp.clip_pg_rho_threshold, rho) * (rewards + discounts * vs_next - v)
+    advantage_abs = np.abs(advantage).mean()
+    explained = 1.0 - np.var(vs - v) / np.var(vs)
     if hp.normalize_advantages:
         advantage = advantage / (advantage.std(ddof=1) + 1e-8)
     pg = -(taken * advantage).mean()
@@ -47,7 +50,8 @@ def reference(logits, values, behaviour, actions, rewards, discounts, hp, entrop
     entropy = -(np.exp(logp) * logp).sum(-1).mean()
     grad_values = np.zeros((T + 1, B))
     grad_values[:T] = hp.baseline_cost * (v - vs) / (T * B)  # the targets vs and the advantages carry no gradient
-    return pg + hp.baseline_cost * baseline - entropy_cost * entropy, pg, baseline, entropy, grad_values
+    loss = pg + hp.baseline_cost * baseline - entropy_cost * entropy
+    return loss, pg, baseline, entropy, grad_values, advantage_abs, explained
 
 
 @pytest.mark.parametrize("normalize", [0, 1])
@@ -61,7 +65,7 @@ def test_impala_loss_is_the_papers(normalize):
     discounts = np.full((T, B), 0.99)
     discounts[1, 0] = discounts[2, 2] = 0.0  # episodes end
     hp = LearnerConfig.of(normalize_advantages=normalize, clip_c_threshold=0.9, vtrace_lambda=0.95).loss
-    want, pg, baseline, entropy, grad_values = reference(
+    want, pg, baseline, entropy, grad_values, advantage_abs, explained = reference(
         logits, values, behaviour, actions, rewards, discounts, hp, entropy_cost=0.01
     )
 
@@ -84,5 +88,30 @@ def test_impala_loss_is_the_papers(normalize):
     assert metrics["loss_pg"].item() == pytest.approx(pg, rel=1e-5, abs=1e-6)
     assert metrics["loss_baseline"].item() == pytest.approx(baseline, rel=1e-5, abs=1e-6)
     assert metrics["entropy"].item() == pytest.approx(entropy, rel=1e-5)
+    assert metrics["advantage_abs_mean"].item() == pytest.approx(advantage_abs, rel=1e-5)
+    assert metrics["value_explained_variance"].item() == pytest.approx(explained, rel=1e-4, abs=1e-6)
     np.testing.assert_allclose(t_values.grad.numpy(), grad_values, rtol=1e-4, atol=1e-6)
     assert int(metrics["rho_hist"].sum()) == T * B and 0 < metrics["rho_clipped_frac"].item() < 1
+
+
+def test_explained_variance_is_1_for_a_perfect_value_and_0_for_constant_targets():
+    """A value head that equals its targets explains all of them; targets that do not vary are given 0, not NaN."""
+    hp = LearnerConfig.of(clip_c_threshold=1.0).loss
+    x = loss.Inputs(
+        obs=torch.zeros(B, T + 1, 1),
+        core_state=(),
+        starts=None,
+        actions=torch.zeros(T, B, dtype=torch.long),
+        rewards=torch.zeros(T, B),
+        discounts=torch.zeros(T, B),  # every step ends an episode: v_s = r_s = 0 whatever V is
+        behaviour_logits=torch.zeros(T, B, A),
+        clipped=torch.tensor(0),
+    )
+    edges = torch.tensor(RHO_BIN_EDGES[1:])
+    _, constant = loss.impala_loss(torch.zeros(T + 1, B, A), torch.randn(T + 1, B), x, hp, 0.01, edges)
+    assert constant["value_explained_variance"].item() == 0.0
+    rewards = torch.randn(T, B)
+    perfect = torch.cat([rewards, torch.zeros(1, B)])  # V = r: each step's target is its reward
+    _, m = loss.impala_loss(torch.zeros(T + 1, B, A), perfect, x._replace(rewards=rewards), hp, 0.01, edges)
+    assert m["value_explained_variance"].item() == pytest.approx(1.0, abs=1e-6)
+    assert m["advantage_abs_mean"].item() == pytest.approx(0.0, abs=1e-6)

@@ -21,7 +21,16 @@ from ..core.spec import TrajectorySpec
 from . import loss
 from .reports.histograms import RHO_BIN_EDGES
 
-STAT_NAMES = ("loss_pg", "loss_baseline", "entropy", "rho_mean", "rho_clipped_frac", "rho_far_frac")
+STAT_NAMES = (
+    "loss_pg",
+    "loss_baseline",
+    "entropy",
+    "advantage_abs_mean",
+    "value_explained_variance",
+    "rho_mean",
+    "rho_clipped_frac",
+    "rho_far_frac",
+)
 FUSED_DEVICES = ("cpu", "cuda")  # where torch.optim has Adam's fused kernel and RMSprop's foreach
 SWITCH_KEYS = ("foreach", "fused")  # an optimizer parameter group's switches: how it runs, not what it computes
 

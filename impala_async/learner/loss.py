@@ -90,8 +90,11 @@ def impala_loss(
 
     ``logits [T+1, B, A]`` and ``values [T+1, B]`` are the network's over ``x.obs`` (the last step bootstraps);
     ``rho_edges``: the importance-weight histogram's upper bin edges, on the logits' device. Returns the loss and
-    its metrics as tensors, none holding a gradient: ``loss_pg``, ``loss_baseline``, ``entropy``, ``rho_mean``,
-    ``rho_clipped_frac``, ``rho_far_frac`` (the share outside [1/2, 2]: learner/watch.py) and ``rho_hist``."""
+    its metrics as tensors, none holding a gradient: ``loss_pg``, ``loss_baseline``, ``entropy``,
+    ``advantage_abs_mean`` (the policy gradient's advantages before any normalisation: the scale the entropy bonus
+    competes with), ``value_explained_variance`` (1 - Var(v_s - V) / Var(v_s) over the batch's ``T x B`` steps; 0
+    where the targets do not vary), ``rho_mean``, ``rho_clipped_frac``, ``rho_far_frac`` (the share outside
+    [1/2, 2]: learner/watch.py) and ``rho_hist``."""
     logits, values = logits.float(), values.float()
     T = x.rewards.shape[0]
     vt = vtrace.from_logits(
@@ -117,11 +120,15 @@ def impala_loss(
     loss = pg_loss + hp.baseline_cost * baseline_loss - entropy_cost * entropy
     with torch.no_grad():
         rhos = vt.log_rhos.exp()
+        target_var = vt.vs.var()
+        unexplained = (vt.vs - values[:T]).var() / target_var.clamp_min(1e-12)
         rho_bar = hp.clip_rho_threshold if hp.clip_rho_threshold > 0 else float("inf")
         metrics = {
             "loss_pg": pg_loss.detach(),
             "loss_baseline": baseline_loss.detach(),
             "entropy": entropy.detach(),
+            "advantage_abs_mean": vt.pg_advantages.abs().mean(),
+            "value_explained_variance": torch.where(target_var > 1e-12, 1.0 - unexplained, 0.0),
             "rho_mean": rhos.mean(),
             "rho_clipped_frac": (rhos > rho_bar).float().mean(),
             "rho_far_frac": ((rhos < 0.5) | (rhos > 2.0)).float().mean(),

@@ -33,6 +33,8 @@ LOSS_FIGURES = (
     "loss_pg",
     "loss_baseline",
     "entropy",
+    "advantage_abs_mean",
+    "value_explained_variance",
     "grad_norm",
     "rho_mean",
     "rho_clipped_frac",

@@ -89,6 +89,14 @@ INTERVAL_GAUGES = {
         "global gradient norm before clipping (of the loss summed over B x T steps), mean over the last interval's "
         "updates",
     ),
+    "advantage_abs_mean": (
+        "advantage_abs_mean",
+        "mean |advantage| of the policy gradient (before normalisation), mean over the last interval's updates",
+    ),
+    "value_explained_variance": (
+        "value_explained_variance_ratio",
+        "1 - Var(v_s - V) / Var(v_s) of the value head against the V-trace targets, mean over the last interval",
+    ),
     "rho_mean": ("rho_mean_ratio", "mean importance weight pi/mu (unclipped) over the last interval's updates"),
     "rho_clipped_frac": ("rho_clipped_ratio", "share of importance weights above rho-bar, last interval"),
     "rho_far_frac": ("rho_far_ratio", "share of importance weights outside [1/2, 2], last interval"),
