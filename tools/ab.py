@@ -21,6 +21,8 @@ EXPERIMENT.toml names the arms and what they share (the configuration layers of 
     [arms.b32]
     batch_size = 32
     envs_per_actor = 128
+    [arms."entropy-0.003"]              # a name with a dot is quoted (bare, TOML would nest a table "003")
+    entropy_cost = 0.003
 
 Runs go one at a time (``--parallel 2`` runs two at once, for runs that each leave a core idle); seed by seed, the arms
 alternating, so that a stopped experiment leaves every arm with as many seeds as the others. A run whose directory
