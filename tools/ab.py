@@ -26,7 +26,8 @@ EXPERIMENT.toml names the arms and what they share (the configuration layers of 
 
 Runs go one at a time (``--parallel 2`` runs two at once, for runs that each leave a core idle); seed by seed, the arms
 alternating, so that a stopped experiment leaves every arm with as many seeds as the others. A run whose directory
-holds ``ab-run.json`` is finished and is not run again: a rerun of the command completes an experiment. A run that was
+holds ``ab-run.json`` is finished and is not run again (one stopped by ``timeout_s`` too: delete its ``ab-run.json``
+to have the next invocation continue it): a rerun of the command completes an experiment. A run that was
 cut short (the harness stopped, the machine restarted) continues from its newest checkpoint (``train --resume``, the
 same command line), so a Pong A/B of many hours can span sessions; one with no checkpoint yet starts again. A resumed
 run's wall time is its training time (the metrics' ``wall_s``, carried by its checkpoints), without the minutes lost
