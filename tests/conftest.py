@@ -79,6 +79,27 @@ def _cpu_s() -> float:
     return total
 
 
+def pytest_collection_modifyitems(items):
+    """Each module's users of its own module-scoped fixtures run last in it (otherwise in file order), so that such a
+    fixture (a learner training with an actor: a core and a half) ends with its last user instead of running on
+    through the module's other tests (test_misleading's learner outlived its users by five tests that start
+    processes of their own; BENCHMARKS.md, section 20). The order is the same in every xdist worker."""
+    module_rank: dict[str, int] = {}
+    for item in items:
+        module_rank.setdefault(item.nodeid.split("::")[0], len(module_rank))
+    items.sort(key=lambda item: (module_rank[item.nodeid.split("::")[0]], _uses_own_module_fixture(item)))
+
+
+def _uses_own_module_fixture(item) -> bool:
+    module = item.nodeid.split("::")[0]
+    info = getattr(item, "_fixtureinfo", None)  # pytest's own; without it the order stays the file's
+    for name in getattr(info, "names_closure", ()):
+        defs = info.name2fixturedefs.get(name)
+        if defs and defs[-1].scope == "module" and defs[-1].baseid == module:
+            return True
+    return False
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     item.stash[_POPEN_BEFORE] = _popen_started[0]

@@ -1,9 +1,10 @@
 """A learner no peer can mislead (issue 15, classes 2, 7 and 8): control figures from what the learner measured, not
 from what peers claim; JPEG only when asked for; startup failures in one line; a private logdir.
 
-A real `impala-async learner` with one real actor trains throughout the module (CartPole, a slow linear curriculum);
-the test process is the attacker, sending valid messages over real sockets (tests/attacks.py). Each test fails on
-the code before these fixes (e6af78d, and the issue-14 main it was measured on).
+A real `impala-async learner` with one real actor trains through the module's tests that use it (CartPole, a slow
+linear curriculum; those tests run last, tests/conftest.py); the test process is the attacker, sending valid messages
+over real sockets (tests/attacks.py). Each test fails on the code before these fixes (e6af78d, and the issue-14 main
+it was measured on).
 """
 
 from __future__ import annotations
