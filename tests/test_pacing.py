@@ -330,9 +330,9 @@ def _cartpole_weights(pace_s_per_trajectory: float, version: int, k: int) -> byt
     return wire.encode_weights(version, tensors, run_info, incarnation=3, pace_s_per_trajectory=pace_s_per_trajectory)
 
 
-def _message_times(pace: float, k: int, count: int) -> list[float]:
-    """When each of ``count`` messages of ``impala-async actor``'s actor (in a thread: tests/inprocess.py) arrived,
-    this test its learner sending CartPole weights with ``pace``."""
+def _message_times(pace: float, k: int, count: int, **options) -> list[float]:
+    """When each of ``count`` messages of ``impala-async actor``'s actor (in a thread: tests/inprocess.py; ``options``:
+    its ActorOptions) arrived, this test its learner sending CartPole weights with ``pace``."""
     port = free_port_pair()
     ctx = zmq.Context()
     pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
@@ -342,7 +342,8 @@ def _message_times(pace: float, k: int, count: int) -> list[float]:
     pub.bind(f"tcp://127.0.0.1:{port + 1}")
     weights = _cartpole_weights(pace, 1, k)
     times: list[float] = []
-    cfg = ActorConfig(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", ActorOptions(envs_per_actor=k))
+    opts = ActorOptions(envs_per_actor=k, **options)
+    cfg = ActorConfig(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", opts)
     try:
         with actor_thread(cfg) as actor:
             deadline = time.monotonic() + 60
@@ -369,6 +370,20 @@ def test_a_real_actor_keeps_the_pace_it_is_sent():
     assert paced.min() >= 0.9 * k * pace, paced
     free = np.diff(_message_times(0.0, k, 5))
     assert np.median(free) < 0.5 * k * pace, f"unpaced, an unroll of 4 x 5 CartPole steps is fast: {free}"
+
+
+def test_an_actor_keeps_the_users_cap_on_its_env_steps():
+    """--max-env-steps-per-s: with no pace from the learner, unrolls of 4 x 5 CartPole steps at most 100 steps a second
+    start at least 0.2 s apart (unpaced and uncapped they take under 0.2 s: the test above); where the learner's pace
+    asks for more (0.1 s a trajectory: 0.4 s an unroll), the pace holds."""
+    k, T, cap = 4, 5, 100.0
+    capped = np.diff(_message_times(0.0, k, 6, max_env_steps_per_s=cap)[1:])
+    assert capped.min() >= 0.9 * k * T / cap, capped
+    paced = np.diff(_message_times(0.1, k, 5, max_env_steps_per_s=cap)[1:])
+    assert paced.min() >= 0.9 * k * 0.1, paced
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="max_env_steps_per_s"):
+            ActorOptions(max_env_steps_per_s=bad).check()
 
 
 # ----------------------------------------------------------------------------------------------- the wire

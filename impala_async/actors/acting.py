@@ -73,6 +73,8 @@ class Acting:
         self.ranks = Endpoints(push, cfg.learner)  # a learner of several ranks lists them all: push to each
         self.ranks.update(first.run_info)
         self.pace = first.pace_s_per_trajectory  # flow control: the least seconds per trajectory between unroll starts
+        rate = cfg.options.max_env_steps_per_s  # the user's cap: the least seconds per unroll, whatever the pace
+        self.min_unroll_s = cfg.options.envs_per_actor * current.spec.unroll_length / rate if rate else 0.0
         self.pending: wire.WeightsMessage | None = None  # received, not taken yet
         self.seq = 0
         self.unheard = 0  # messages sent since newer weights last arrived
@@ -169,8 +171,9 @@ class Acting:
         return self.pending is not None
 
     def between_unrolls(self, unroll_start: float) -> int | None:
-        """Newer weights, then, while the learner's pace says this actor is ahead, wait for the pace (taking weights
-        that arrive meanwhile: the next unroll then acts with a fresher policy). docs/protocol.md, Flow control."""
+        """Newer weights, then, while the learner's pace (or the user's ``--max-env-steps-per-s``) says this actor is
+        ahead, wait (taking weights that arrive meanwhile: the next unroll then acts with a fresher policy).
+        docs/protocol.md, Flow control."""
         wait_ms, K, held_at = 0, self.cfg.options.envs_per_actor, time.monotonic()
         while True:
             self.watch.poll()
@@ -181,7 +184,7 @@ class Acting:
                 if code is not None:
                     return code
             now = time.monotonic()
-            left_s = unroll_start + min(K * self.pace, MAX_PACE_WAIT_S) - now
+            left_s = unroll_start + max(min(K * self.pace, MAX_PACE_WAIT_S), self.min_unroll_s) - now
             if self._ahead_unpaced() and now - held_at < MAX_UNPACED_WAIT_S:
                 left_s = max(left_s, 0.001)
             if left_s <= 0 or self.stop.requested:

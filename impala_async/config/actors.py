@@ -146,6 +146,12 @@ class ActorOptions(Section):
         "torch); actors on CUDA always spawn",
         choices=("fork", "spawn"),
     )
+    max_env_steps_per_s: float = opt(
+        0.0,
+        "each actor steps its environments at most this many env steps a second, all of them together (0: as fast "
+        "as the learner's pace allows); leaves a shared machine's cores to its other work",
+        learner_flag="actor_max_env_steps_per_s",
+    )
     heartbeat_interval_s: float = opt(1.0, "actors report to their supervisor that they are alive this often")
     heartbeat_timeout_s: float = opt(10.0, "the supervisor replaces an actor silent (hung, stopped) for this long")
     max_actor_restarts: int = opt(
@@ -162,7 +168,7 @@ class ActorOptions(Section):
     def check(self) -> None:
         super().check()
         at_least(self, 1, "envs_per_actor", "send_hwm_messages")
-        at_least(self, 0, "send_buffer_bytes", "max_actor_restarts")
+        at_least(self, 0, "send_buffer_bytes", "max_actor_restarts", "max_env_steps_per_s")
         need(
             self.device == "cpu" or self.device.startswith("cuda"),
             f"device (--actor-device) must be cpu or cuda[:N], got {self.device!r}",
