@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -217,6 +218,37 @@ def stop(proc: subprocess.Popen, timeout_s: float = 15) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def get(port: int, path: str, timeout_s: float = 5.0) -> tuple[int, str]:
+    """(status, body) of GET http://127.0.0.1:port/path, or (0, why) when nothing answers."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read().decode()
+    except OSError as e:
+        return 0, repr(e)
+    finally:
+        conn.close()
+
+
+def scrape(port: int) -> dict:
+    """{family name: family} of one /metrics scrape, parsed by prometheus_client's own parser."""
+    from prometheus_client import parser
+
+    status, body = get(port, "/metrics")
+    assert status == 200, body
+    return {f.name: f for f in parser.text_string_to_metric_families(body)}
+
+
+def value(families: dict, name: str, **labels) -> float:
+    """The sample ``name`` (a sample name: with _total, _bucket, _count ...) whose labels include ``labels``."""
+    for family in families.values():
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(f"{name} {labels} not in the scrape")
 
 
 def free_port() -> int:

@@ -3,7 +3,9 @@ trajectory socket and ring per rank, gradients averaged in lock step, rank 0 alo
 
 - The rank addresses, the actor's connections to every rank (each once) and the configuration checks.
 - A 2-rank learner with local actors learns CartPole, both ranks receive trajectories, and after SIGTERM both ranks
-  hold bit-identical weights and optimizer state, and no process is left.
+  hold bit-identical weights and optimizer state, and no process is left. Meanwhile /metrics is scraped: every scrape
+  says what one metrics.jsonl record says, and the records are rank sums that include rank 1's share (before, /metrics
+  said rank 0's).
 - SIGKILL to rank 1 stops the learner within the shutdown timeout with exit code 6 and a loadable checkpoint; external
   actors given only rank 0's address push to both ranks (they learn rank 1's from the weights message); --resume runs
   both ranks again from rank 0's checkpoint, and they stay identical.
@@ -16,13 +18,30 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import psutil
 import pytest
 import torch
 import zmq
-from procutil import TINY, actors_under, cli, descendants, finish, free_ports, gone, read_metrics, stop, tail, wait_for
+from procutil import (
+    TINY,
+    actors_under,
+    cli,
+    descendants,
+    finish,
+    free_port,
+    free_ports,
+    get,
+    gone,
+    read_metrics,
+    stop,
+    tail,
+    value,
+    wait_for,
+)
+from prometheus_client import parser
 
 from impala_async.actors.endpoints import Endpoints, resolve
 from impala_async.config import LearnerConfig
@@ -123,9 +142,46 @@ def assert_ranks_identical(logdir, ranks: int = 2) -> dict:
     return states[0]
 
 
+class _Scraper(threading.Thread):
+    """Scrapes /metrics every 0.05 s until stopped: (env_steps_total, trajectories_received_total) of each scrape."""
+
+    def __init__(self, port: int):
+        super().__init__(daemon=True)
+        self.port, self.pairs, self.done = port, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            status, body = get(self.port, "/metrics", timeout_s=2.0)
+            if status == 200:
+                families = {f.name: f for f in parser.text_string_to_metric_families(body)}
+                if "impala_async_env_steps" in families:
+                    self.pairs.append(tuple(value(families, f"impala_async_{n}_total") for n in _PAIR))
+            self.done.wait(0.05)
+
+    def stop(self) -> list[tuple[float, float]]:
+        self.done.set()
+        self.join(10)
+        return self.pairs
+
+
+_PAIR = ("env_steps", "trajectories_received")
+
+
+def assert_scrapes_are_records(scraped: list[tuple[float, float]], records: list[dict]) -> None:
+    """Prometheus and metrics.jsonl read the same snapshot per report (learner/reports/counters.py), summed over the
+    ranks: every scrape is one record's (or the snapshot's before the first), and one saw both ranks' steps."""
+    made = {(float(r["env_steps"]), float(r["trajectories_received"])): r for r in records}
+    assert len(scraped) >= 5, scraped
+    assert set(scraped) <= {(0.0, 0.0), *made}, sorted(set(scraped) - {(0.0, 0.0), *made})[:5]
+    for r in records:
+        assert r["env_steps"] == sum(r["ranks"]["env_steps"]), r["ranks"]
+    both = [made[s]["ranks"]["env_steps"] for s in scraped if s in made and min(made[s]["ranks"]["env_steps"]) > 0]
+    assert both, "no scrape saw both ranks' steps"  # each such scrape said rank 0's + rank 1's, not rank 0's alone
+
+
 @pytest.mark.process
 def test_two_ranks_learn_cartpole_in_lock_step(tmp_path):
-    logdir, log = tmp_path / "run", tmp_path / "log"
+    logdir, log, mport = tmp_path / "run", tmp_path / "log", free_port()
     proc = cli(
         "train",
         "--env",
@@ -138,10 +194,14 @@ def test_two_ranks_learn_cartpole_in_lock_step(tmp_path):
         "0.5",
         "--rank-state-dump",
         "1",
+        "--metrics-port",
+        str(mport),
         "--logdir",
         str(logdir),
         log=log,
     )
+    scraper = _Scraper(mport)
+    scraper.start()
     try:
         wait_for(
             lambda: any((r["episode_return_mean"] or 0) >= 475 for r in read_metrics(logdir)),
@@ -158,11 +218,14 @@ def test_two_ranks_learn_cartpole_in_lock_step(tmp_path):
         assert time.monotonic() - t0 < 10
         assert gone(kids, 2.0), "processes left behind"
     finally:
+        scraped = scraper.stop()
         stop(proc)
-    last = read_metrics(logdir)[-1]
+    records = read_metrics(logdir)
+    last = records[-1]
     assert last["learner_ranks"] == 2 and last["ranks"]["alive"][0] == 1
     assert min(last["ranks"]["trajectories_received"]) > 0, last["ranks"]
     assert last["trajectories_rejected"] == 0
+    assert_scrapes_are_records(scraped, records)
     state = assert_ranks_identical(logdir)
     assert state["updates"] > 100
     # Each update trained one batch on each rank; the dumps are the weights rank 0 checkpointed.
