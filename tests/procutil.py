@@ -315,6 +315,12 @@ def finish(proc: subprocess.Popen, log: Path | None, timeout_s: float, code: int
     assert got == code, f"exit {got}, expected {code}\n{tail(log, 80)}"
 
 
+# An attacked learner's honest actor, capped: uncapped it would keep a core and a half busy all through a test that
+# only needs training to go on beside the attack (a module's learner lives through several tests).
+ACTOR_ENV_STEPS_PER_S = 2000.0
+CAPPED_ACTORS = ["--actor-max-env-steps-per-s", str(ACTOR_ENV_STEPS_PER_S)]  # the same for train's local actors
+
+
 class LearnerProcess:
     """`impala-async learner` (``flags``, then ``extra``) on two free loopback ports, logging to ``tmp/NAME.log`` with
     its logdir ``tmp/NAME``; one real actor of 2 environments once :meth:`attach_actor` is called. Its metrics are
@@ -331,8 +337,10 @@ class LearnerProcess:
             preexec_fn=preexec_fn,
         )  # fmt: skip
 
-    def attach_actor(self, *extra: str) -> None:
-        self.actor = cli("actor", "--learner", self.listen, "--envs-per-actor", "2", *extra, log=self.actor_log)
+    def attach_actor(self, *extra: str, max_env_steps_per_s: float = ACTOR_ENV_STEPS_PER_S) -> None:
+        """The actor, at most ``max_env_steps_per_s`` (0: as fast as the learner takes them)."""
+        cap = ["--max-env-steps-per-s", str(max_env_steps_per_s)]
+        self.actor = cli("actor", "--learner", self.listen, "--envs-per-actor", "2", *cap, *extra, log=self.actor_log)
         self.wait(lambda r: r["learner_steps"] > 0, "the learner to train", 120)
 
     def rows(self) -> list[dict]:

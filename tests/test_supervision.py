@@ -11,7 +11,19 @@ import inprocess
 import pytest
 import torch
 import zmq
-from procutil import TINY, actors_under, cli, ended, finish, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import (
+    CAPPED_ACTORS,
+    TINY,
+    actors_under,
+    cli,
+    ended,
+    finish,
+    free_port_pair,
+    read_metrics,
+    stop,
+    tail,
+    wait_for,
+)
 
 from impala_async.core import wire
 from impala_async.learner import checkpoint
@@ -46,6 +58,7 @@ def test_killed_and_stopped_actors_are_replaced(tmp_path):
         "0.5",
         "--heartbeat-timeout-s",
         "3",
+        *CAPPED_ACTORS,  # training goes on, not flat out on both cores
         log=log,
     )
     try:

@@ -9,7 +9,19 @@ import threading
 
 import psutil
 import pytest
-from procutil import TINY, actors_under, cli, descendants, gone, read_metrics, stop, tail, wait_for, words
+from procutil import (
+    CAPPED_ACTORS,
+    TINY,
+    actors_under,
+    cli,
+    descendants,
+    gone,
+    read_metrics,
+    stop,
+    tail,
+    wait_for,
+    words,
+)
 
 from impala_async.actors.zygote import Zygote
 from impala_async.config import ActorOptions
@@ -23,7 +35,8 @@ def _updates(logdir) -> int:
 @pytest.mark.process
 def test_actors_are_forked_from_the_zygote_and_outlive_its_death(tmp_path):
     logdir, log = tmp_path / "run", tmp_path / "log"
-    proc = cli("train", *TINY, "--num-actors", "2", "--total-env-steps", "100000000", "--logdir", str(logdir), log=log)
+    flags = [*TINY, "--num-actors", "2", *CAPPED_ACTORS, "--total-env-steps", "100000000"]  # not flat out
+    proc = cli("train", *flags, "--logdir", str(logdir), log=log)
     try:
         wait_for(lambda: _updates(logdir) > 0, 90, "training", proc, log)
         learner = psutil.Process(proc.pid)
