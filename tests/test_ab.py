@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def fake_run(logdir: Path, returns: list[float | None], steps_each: int = 100, w
         for i, r in enumerate(returns)
     ]
     (logdir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    record = {"wall_s": wall_each_s * len(returns) + 3, "load_at_start": 0.1, "exit_code": 0}
+    record = {"wall_s": wall_each_s * len(returns) + 3, "busy_cores_at_start": 0.1, "exit_code": 0}
     (logdir / "ab-run.json").write_text(json.dumps(record))
     return logdir
 
@@ -187,6 +188,20 @@ def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path):
     assert record["wall_s"] == pytest.approx(max(r["wall_s"] for r in read_metrics(logdir / "metrics.jsonl")), abs=0.1)
     row = next(line for line in (out / "long" / "summary.md").read_text().splitlines() if line.startswith("| only |"))
     assert row.startswith("| only | 1 ") and "(1 resumed) |" in row, row
+
+
+@pytest.mark.process
+def test_a_busy_start_counts_what_others_run_not_the_experiments_own_runs():
+    """The cores busy at a run's start (flagged above 0.5): a busy loop counts, unless it is in the tree of one of the
+    experiment's running runs. The load average flagged every run that followed another, counting the run that had
+    just ended for about a minute after it."""
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        others, without = ab.others_busy_cores(set()), ab.others_busy_cores({loop.pid})
+    finally:
+        loop.kill()
+        loop.wait()
+    assert others - without > 0.3, (others, without)  # the loop holds a core (two thirds of one beside a busy worker)
 
 
 def test_twice_needs_reproducible_runs(tmp_path):

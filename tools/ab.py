@@ -36,7 +36,8 @@ gives, per arm, the median and the range over its seeds of the final return (the
 last report), the return at each checkpoint, the env steps and wall time to the threshold (with how many seeds
 reached it), the wall time and the env steps/s; it is printed and written to OUT/NAME/summary.md (and .json), the
 curves with their median band to OUT/NAME/curves.png (tools/plot.py). Wall times and steps/s are only comparable
-between runs made alone on the machine: the load average at each start is recorded and a busy start is flagged.
+between runs made alone on the machine: the cores busy at each start with work other than the experiment's own runs
+(over one second, from /proc) are recorded, and a busy start is flagged.
 
 ``twice = true`` checks that an experiment reproduces: each run is made a second time (OUT/NAME/ARM/sSEED-twin, right
 after the first), and the table says for how many seeds of each arm the twins' final checkpoints agree (parameters bit
@@ -67,7 +68,9 @@ except ImportError:  # Python 3.10: the package's own dependency
 
 PLOT = Path(__file__).resolve().parent / "plot.py"
 DEFAULT_CHECKPOINTS = (0.25, 0.5, 0.75)
-BUSY_LOAD = 0.5  # a load average above this at a run's start: something else is running
+BUSY_CORES = 0.5  # cores busy at a run's start with work other than the experiment's: something else is running
+BUSY_WINDOW_S = 1.0
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 POLL_S = 1.0
 STOP_GRACE_S = 60.0  # after SIGINT a run gets this long to write its final checkpoint before SIGKILL
 FLAG_NAME = re.compile(r"[a-z][a-z0-9_]*")  # a field of train's configuration, as the flag names it
@@ -189,13 +192,55 @@ def reached(logdir: Path, threshold: float | None) -> bool:
     )
 
 
+def _busy_s() -> float:
+    """CPU seconds the machine has been busy since boot: /proc/stat's first line, all but idle and iowait."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / CLOCK_TICKS_PER_S
+
+
+def _tree_cpu_s(roots: set[int]) -> float:
+    """CPU seconds (user + system) of the live processes in the trees rooted at ``roots`` (from /proc/PID/stat)."""
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()  # after the name: state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(d.name))
+        ticks[int(d.name)] = int(fields[11]) + int(fields[12])  # utime, stime
+    todo, seen = list(roots), set()
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo += children.get(pid, [])
+    return sum(ticks.get(pid, 0) for pid in seen) / CLOCK_TICKS_PER_S
+
+
+def others_busy_cores(own: set[int], window_s: float = BUSY_WINDOW_S) -> float:
+    """Cores busy over ``window_s`` with work other than the process trees of ``own`` (the experiment's running
+    runs): the machine's busy time less theirs. The load average would count a run that has just ended for a minute
+    after it, flagging every run that follows another. Where /proc is missing: the load average."""
+    try:
+        busy, theirs = _busy_s(), _tree_cpu_s(own)
+        time.sleep(window_s)
+        return max(0.0, (_busy_s() - busy) - (_tree_cpu_s(own) - theirs)) / window_s
+    except OSError:
+        return os.getloadavg()[0]
+
+
 class Run:
     """One `train` process of the experiment, its output in LOGDIR/train.log, and its record, ab-run.json."""
 
-    def __init__(self, exp: Experiment, arm: str, seed: int, logdir: Path, resumes: int = 0):
+    def __init__(
+        self, exp: Experiment, arm: str, seed: int, logdir: Path, resumes: int = 0, own: set[int] | None = None
+    ):
         self.exp, self.arm, self.seed, self.logdir, self.resumes = exp, arm, seed, logdir, resumes
         self.cmd = command(exp, arm, seed, logdir) + (["--resume", str(logdir)] if resumes else [])
-        self.load = os.getloadavg()[0]
+        self.busy_cores = others_busy_cores(own or set())
         logdir.mkdir(parents=True, exist_ok=True)
         self.log = open(logdir / "train.log", "a" if resumes else "w")  # noqa: SIM115 (closed in finish())
         self.started = time.time()
@@ -230,7 +275,7 @@ class Run:
             "command": self.cmd,
             "exit_code": self.proc.returncode,
             "wall_s": round(wall_s, 1),
-            "load_at_start": round(self.load, 2),
+            "busy_cores_at_start": round(self.busy_cores, 2),
             "stopped": self.stopped,
             "resumes": self.resumes,
         }
@@ -263,8 +308,9 @@ def run_all(exp: Experiment, out: Path, parallel: int) -> None:
         while todo or running:
             while todo and len(running) < parallel:
                 arm, seed, logdir = todo.pop(0)
-                run = Run(exp, arm, seed, logdir, resumes=cut_short(logdir))
-                busy = f" (busy: load {run.load:.2f})" if run.load > BUSY_LOAD else ""
+                own = {r.proc.pid for r in running}
+                run = Run(exp, arm, seed, logdir, resumes=cut_short(logdir), own=own)
+                busy = f" (busy: {run.busy_cores:.2f} cores)" if run.busy_cores > BUSY_CORES else ""
                 print(f"ab: start {arm} seed {seed}{busy}: {' '.join(run.cmd[1:])}", flush=True)
                 running.append(run)
             time.sleep(POLL_S)
@@ -306,7 +352,7 @@ def run_figures(exp: Experiment, logdir: Path) -> dict:
         "wall_s": record["wall_s"],
         "env_steps": last[0].get("env_steps"),
         "env_steps_per_s": (last[0].get("env_steps") or 0) / wall_s if wall_s else None,
-        "busy": record["load_at_start"] > BUSY_LOAD,
+        "busy": record.get("busy_cores_at_start", record.get("load_at_start", 0)) > BUSY_CORES,  # (older: load)
         "resumed": record.get("resumes", 0) > 0,
         "exit_code": record["exit_code"],
     }
