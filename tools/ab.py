@@ -193,9 +193,9 @@ def reached(logdir: Path, threshold: float | None) -> bool:
 
 
 def _busy_s() -> float:
-    """CPU seconds the machine has been busy since boot: /proc/stat's first line, all but idle and iowait."""
+    """CPU seconds the machine has been busy since boot: /proc/stat's user, nice, system, irq and softirq."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / CLOCK_TICKS_PER_S
+    return (ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6]) / CLOCK_TICKS_PER_S
 
 
 def _tree_cpu_s(roots: set[int]) -> float:
