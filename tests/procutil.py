@@ -318,7 +318,7 @@ def finish(proc: subprocess.Popen, log: Path | None, timeout_s: float, code: int
 # An attacked learner's honest actor, capped: uncapped it would keep a core and a half busy all through a test that
 # only needs training to go on beside the attack (a module's learner lives through several tests).
 ACTOR_ENV_STEPS_PER_S = 2000.0
-CAPPED_ACTORS = ["--actor-max-env-steps-per-s", str(ACTOR_ENV_STEPS_PER_S)]  # the same for train's local actors
+CAPPED_ACTORS = ("--actor-max-env-steps-per-s", str(ACTOR_ENV_STEPS_PER_S))  # the same for train's local actors
 
 
 class LearnerProcess:

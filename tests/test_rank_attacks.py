@@ -32,9 +32,6 @@ from impala_async.learner.reports import counters
 from impala_async.ops import exitcodes
 
 TOKEN = "test-token-0123456789abcdef"
-# The 2-rank train's two actors, capped: the attacks need training to go on, not to go flat out on both cores for the
-# whole watch.
-CAPPED = tuple(CAPPED_ACTORS)
 
 
 def _store():
@@ -153,7 +150,7 @@ def _assert_whole(got: dict) -> None:
 
 @pytest.mark.process
 def test_a_stranger_with_the_stores_port_cannot_stop_the_ranks(tmp_path):
-    got = attacks_ranks.run_attack("stop", workdir=tmp_path, watch_s=10.0, extra=CAPPED)
+    got = attacks_ranks.run_attack("stop", workdir=tmp_path, watch_s=10.0, extra=CAPPED_ACTORS)  # not flat out
     assert got["values_written"] >= 1 and got["tokens_from_environ"] == 0, got
     _assert_whole(got)
 
@@ -163,7 +160,7 @@ def test_an_insiders_malformed_values_are_ignored(tmp_path):
     """The token known (the operator's IMPALA_ASYNC_RANK_TOKEN): every malformed beat and stop, for 3 s. Rank 1's
     own beats are overwritten meanwhile, so that rank 0 hears none: a heartbeat timeout of 20 s keeps it from being
     taken for dead (what an insider can do, and may)."""
-    extra = (*CAPPED, "--rank-heartbeat-timeout-s", "20")
+    extra = (*CAPPED_ACTORS, "--rank-heartbeat-timeout-s", "20")
     got = attacks_ranks.run_attack("garbage", workdir=tmp_path, token=TOKEN, attack_s=3.0, watch_s=6.0, extra=extra)
     assert got["values_written"] > 50, got
     _assert_whole(got)
