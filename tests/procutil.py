@@ -61,8 +61,15 @@ def documented_metrics() -> set[str]:
     return keys
 
 
+# Actors that a test needs only to keep training going, capped: uncapped, a CartPole actor and its learner keep a core
+# and a half busy through a test (a module's learner lives through several), beside the other xdist worker. At 1,000
+# env steps/s a learner and its actor of 2 environments take 0.29 of a core (0.50 at 2,000; BENCHMARKS.md, section 20).
+ACTOR_ENV_STEPS_PER_S = 1000.0
+CAPPED_ACTOR = ("--max-env-steps-per-s", str(ACTOR_ENV_STEPS_PER_S))  # the `actor` command's flag
+CAPPED_ACTORS = ("--actor-max-env-steps-per-s", str(ACTOR_ENV_STEPS_PER_S))  # the same for train's local actors
+
 TINY = ["--config", str(Path(__file__).resolve().parent / "tiny.toml")]  # tests/tiny.toml: CartPole, 1 actor, B 4
-ENDLESS = [*TINY, "--total-env-steps", "100000000", "--lr-schedule", "constant"]  # runs until stopped
+ENDLESS = [*TINY, "--total-env-steps", "100000000", "--lr-schedule", "constant", *CAPPED_ACTORS]  # until stopped
 TINY_PONG = ["--config", str(Path(__file__).resolve().parent / "tiny-pong.toml")]  # 400 steps of Pong, B 2
 # The `learner` command's endless CartPole (T 10, B 4, four reports a second), for actors a test attaches itself.
 CARTPOLE_LEARNER = ["--env", "CartPole-v1", "--unroll-length", "10", "--batch-size", "4", "--report-interval-s", "0.25",
@@ -313,12 +320,6 @@ def finish(proc: subprocess.Popen, log: Path | None, timeout_s: float, code: int
     finally:
         stop(proc)
     assert got == code, f"exit {got}, expected {code}\n{tail(log, 80)}"
-
-
-# An attacked learner's honest actor, capped: uncapped it would keep a core and a half busy all through a test that
-# only needs training to go on beside the attack (a module's learner lives through several tests).
-ACTOR_ENV_STEPS_PER_S = 2000.0
-CAPPED_ACTORS = ("--actor-max-env-steps-per-s", str(ACTOR_ENV_STEPS_PER_S))  # the same for train's local actors
 
 
 class LearnerProcess:

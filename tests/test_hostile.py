@@ -19,7 +19,7 @@ import psutil
 import pytest
 import zmq
 from helpers import random_arrays
-from procutil import TINY, cli, free_port_pair, read_metrics, stop, tail, wait_for
+from procutil import CAPPED_ACTOR, TINY, cli, free_port_pair, read_metrics, stop, tail, wait_for
 from zmq.utils.monitor import recv_monitor_message
 
 from impala_async.core import wire
@@ -106,7 +106,7 @@ def training(tmp_path, ctx):
     """A learner with one real actor attached, already training."""
     learner = Learner(tmp_path, ctx)
     alog = tmp_path / "actor.log"
-    actor = cli("actor", "--learner", learner.endpoint, "--envs-per-actor", "2", log=alog)
+    actor = cli("actor", "--learner", learner.endpoint, "--envs-per-actor", "2", *CAPPED_ACTOR, log=alog)
     try:
         learner.wait_metrics(lambda r: r["learner_steps"] > 0, "the learner to train", 120)
         learner.actor, learner.actor_log = actor, alog

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 from netns import Network, Unavailable, remove_stale, unavailable
-from procutil import CARTPOLE_LEARNER, tail
+from procutil import CAPPED_ACTOR, CARTPOLE_LEARNER, tail
 
 from impala_async.learner import checkpoint
 
@@ -44,7 +44,7 @@ OUTAGE_S = 20.0  # how long host-a's link stays down
 SETTLE_S = 2.0  # after the link goes down, what was already on its way may still be counted
 MIN_TRAJECTORIES = 20  # "contributes": at least this many accepted trajectories (200 env steps) in a phase
 LEARNER_FLAGS = CARTPOLE_LEARNER
-ACTOR_FLAGS = ["--num-actors", "1", "--envs-per-actor", "2"]
+ACTOR_FLAGS = ["--num-actors", "1", "--envs-per-actor", "2", *CAPPED_ACTOR]  # not flat out: the test is the link
 _CLI = Path(sys.executable).with_name("impala-async")
 CLI = [str(_CLI)] if _CLI.exists() else [sys.executable, "-m", "impala_async"]
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child

@@ -26,6 +26,7 @@ import pytest
 import torch
 import zmq
 from procutil import (
+    CAPPED_ACTOR,
     TINY,
     actors_under,
     cli,
@@ -255,8 +256,9 @@ def test_a_killed_rank_stops_the_learner_and_resume_goes_on(tmp_path):
     )
     # External actors, given rank 0's address only.
     actors = cli(
-        "actor", "--learner", f"tcp://127.0.0.1:{port}", "--num-actors", "2", "--envs-per-actor", "2", log=alog
-    )
+        "actor", "--learner", f"tcp://127.0.0.1:{port}", "--num-actors", "2", "--envs-per-actor", "2", *CAPPED_ACTOR,
+        log=alog,
+    )  # fmt: skip
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -12,6 +12,7 @@ import pytest
 import torch
 import zmq
 from procutil import (
+    CAPPED_ACTOR,
     CAPPED_ACTORS,
     TINY,
     actors_under,
@@ -235,8 +236,9 @@ def test_learner_restart_with_surviving_external_actors(tmp_path):
     ]
     learner = cli(*args, log=llog)
     actors = cli(
-        "actor", "--learner", f"tcp://127.0.0.1:{port}", "--num-actors", "2", "--envs-per-actor", "2", log=alog
-    )
+        "actor", "--learner", f"tcp://127.0.0.1:{port}", "--num-actors", "2", "--envs-per-actor", "2", *CAPPED_ACTOR,
+        log=alog,
+    )  # fmt: skip
     try:
         wait_for(lambda: last(logdir).get("learner_steps", 0) > 0, 90, "training", learner, llog)
         wait_for(lambda: checkpoint.list_checkpoints(logdir), 30, "a periodic checkpoint", learner, llog)
