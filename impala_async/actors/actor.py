@@ -87,13 +87,10 @@ def attach(cfg: ActorConfig, stop) -> int:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(cfg.weights)
     push.setsockopt(zmq.SNDHWM, opts.send_hwm_messages)
-    if opts.send_buffer_bytes:
-        push.setsockopt(zmq.SNDBUF, opts.send_buffer_bytes)
     push.setsockopt(zmq.LINGER, 0)
     # Messages queue only on live connections: what was queued for a learner that went away is dropped with the
     # connection, never delivered to the next learner at that address (which may run another spec).
-    push.setsockopt(zmq.IMMEDIATE, 1)
-    push.connect(cfg.learner)
+    push.setsockopt(zmq.IMMEDIATE, 1)  # connected by _connect_push once the first weights give the spec
     try:
         return _act(cfg, actor_id, sub, push, stop, Heartbeat(cfg.heartbeat_fd, opts.heartbeat_interval_s), watch)
     finally:
@@ -160,7 +157,7 @@ def _act(
         current.policy.device,
         current.policy.version,
     )
-    _size_send_buffer(push, cfg, current.spec.trajectory_nbytes)
+    _connect_push(push, cfg, current.spec.trajectory_nbytes)
     acting = Acting(cfg, actor_id, sub, push, stop, beat, watch, current, first)
     try:
         return acting.loop()
@@ -168,20 +165,18 @@ def _act(
         acting.run.close()
 
 
-def _size_send_buffer(push: zmq.Socket, cfg: ActorConfig, trajectory_nbytes: int) -> None:
-    """With --send-buffer-bytes 0: a kernel send buffer of about --send-hwm-messages messages (ops/zmtp.py), so that
-    no more than that waits for a learner that does not read. Set once the spec is known, before anything is sent:
-    the connection is made again to take it."""
+def _connect_push(push: zmq.Socket, cfg: ActorConfig, trajectory_nbytes: int) -> None:
+    """Connect the trajectory socket, its kernel send buffer sized first: --send-buffer-bytes, or with 0 about
+    --send-hwm-messages messages of the run's spec (config/resolve.py), so that no more than that waits for a
+    learner that does not read. Connected once, when the first weights have given the spec: a connection made
+    earlier and made again to take the size (disconnect, connect) could take the first message into the pipe being
+    torn down, and a lockstep run (--reproducible 1) then waited for that message for ever (1 start in 5 on a loaded
+    machine)."""
     opts = cfg.options
-    nbytes = (
-        0
-        if opts.send_buffer_bytes
-        else auto_buffer_bytes(opts.send_hwm_messages, opts.envs_per_actor, trajectory_nbytes)
-    )
-    if nbytes:
+    nbytes = opts.send_buffer_bytes or auto_buffer_bytes(opts.send_hwm_messages, opts.envs_per_actor, trajectory_nbytes)
+    if nbytes:  # 0: the system's autotuning (messages too large for a fixed buffer)
         push.setsockopt(zmq.SNDBUF, nbytes)
-        push.disconnect(cfg.learner)
-        push.connect(cfg.learner)
+    push.connect(cfg.learner)
 
 
 class HandshakeWatch:
