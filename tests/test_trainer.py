@@ -14,7 +14,7 @@ import torch
 from impala_async.config import LearnerConfig
 from impala_async.core.ring import TrajectoryRing
 from impala_async.core.spec import TrajectorySpec
-from impala_async.learner.learn import Learner
+from impala_async.learner.learn import CollectiveError, Learner
 from impala_async.learner.trainer import Trainer
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -110,3 +110,37 @@ def test_updates_per_batch_learns_each_batch_again_and_counts_its_steps_once():
     assert all(sum(u.stats["rho_hist"]) == 2 * B * spec.unroll_length for u in updates)
     with pytest.raises(ValueError, match="updates_per_batch"):
         LearnerConfig.of(updates_per_batch=0).check()
+
+
+def test_a_collective_cut_by_the_shutdown_is_said_in_a_line(caplog):
+    """A rank stopping while it waits in a collective for a rank that stopped first (2-rank runs stopped mid-update
+    when one rank has no batch): the collective fails, and that is the shutdown's doing: one warning, no traceback
+    (CI read one as a crash). The error still reaches ``on_exit``; any other failure keeps its traceback."""
+    spec = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
+
+    entered = threading.Event()
+
+    class WaitingLearner(Learner):
+        def step(self, batch, **kw):
+            entered.set()
+            while not trainer._stop.is_set():  # in the all-reduce until the other rank is gone
+                time.sleep(0.001)
+            raise CollectiveError("collective between learner ranks failed: Connection closed by peer")
+
+    ring = TrajectoryRing(spec, batch_size=B, num_batches=3, pin_memory=False, drop_when_full=False)
+    exited = []
+    trainer = Trainer(
+        WaitingLearner(LearnerConfig(), spec, torch.device("cpu")), ring, max_policy_lag=10**9,
+        after_update=lambda update: False, on_exit=exited.append,
+    )  # fmt: skip
+    producer = threading.Thread(target=produce, args=(ring, B, threading.Event()), daemon=True)
+    with caplog.at_level("INFO", logger="impala_async.learner.trainer"):
+        trainer.start()
+        producer.start()
+        assert entered.wait(30), "no update began"
+        assert trainer.stop(10)
+        producer.join(10)
+    assert len(exited) == 1 and isinstance(exited[0], CollectiveError)
+    said = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "while stopping" in said[0].getMessage() and said[0].exc_info is None
+    assert not [r for r in caplog.records if r.exc_info], "a traceback for the shutdown's own doing"

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.ring import Batch, TrajectoryRing
-from .learn import Learner
+from .learn import CollectiveError, Learner
 from .reports.metrics import Update
 
 log = logging.getLogger("impala_async.learner.trainer")
@@ -143,7 +143,12 @@ class Trainer:
                 self._finish_copy(staged)
         except BaseException as e:  # reported by the server; the run exits non-zero
             self.error = e
-            log.exception("training thread failed")
+            if self._stop.is_set() and isinstance(e, CollectiveError):
+                # Stopping while this rank waited in a collective for one that stopped first: the shutdown's own
+                # doing, said in a line (a traceback here read as a crash in every 2-rank run stopped mid-update).
+                log.warning("training thread: %s, while stopping (another rank stopped first)", e)
+            else:
+                log.exception("training thread failed")
         finally:
             log.info(
                 "training thread ends after %d batches (policy version %d)%s",
