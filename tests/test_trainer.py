@@ -19,6 +19,7 @@ from impala_async.learner.trainer import Trainer
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 B, BATCHES = 4, 60
+SPEC = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)  # CartPole's, T 5
 
 
 class CheckingLearner(Learner):
@@ -80,9 +81,8 @@ def train(learner: Learner, ring: TrajectoryRing, batches: int, **trainer_kw) ->
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_every_batch_arrives_whole_and_in_order(device, overlap):
-    spec = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
-    ring = TrajectoryRing(spec, batch_size=B, num_batches=3, pin_memory=device == "cuda", drop_when_full=False)
-    learner = CheckingLearner(LearnerConfig(), spec, torch.device(device))
+    ring = TrajectoryRing(SPEC, batch_size=B, num_batches=3, pin_memory=device == "cuda", drop_when_full=False)
+    learner = CheckingLearner(LearnerConfig(), SPEC, torch.device(device))
     train(learner, ring, BATCHES, overlap_copies=overlap)
     assert all(dev == device for _, _, dev in learner.seen)
     assert not [ids for ids, torn, _ in learner.seen if torn], "a batch changed under its copy"
@@ -95,19 +95,18 @@ def test_updates_per_batch_learns_each_batch_again_and_counts_its_steps_once():
     """``--updates-per-batch 2``: each batch is trained twice in a row before its slot is freed; the env steps count
     once (they decide the schedules and the stop), the updates twice, the policy version once per batch, and the
     report's importance-weight histogram holds both updates' weights."""
-    spec = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
-    ring = TrajectoryRing(spec, batch_size=B, num_batches=3, pin_memory=False, drop_when_full=False)
+    ring = TrajectoryRing(SPEC, batch_size=B, num_batches=3, pin_memory=False, drop_when_full=False)
     cfg = LearnerConfig.of(batch_size=B, updates_per_batch=2).check()
-    learner = CheckingLearner(cfg, spec, torch.device("cpu"))
+    learner = CheckingLearner(cfg, SPEC, torch.device("cpu"))
     batches = 10
     trainer, updates = train(learner, ring, batches, updates_per_batch=cfg.loss.updates_per_batch)
     seen = [ids for ids, _, _ in learner.seen]
     assert seen[0::2] == seen[1::2], "a batch's two updates saw different trajectories"
     assert [int(i) for ids in seen[0::2] for i in ids] == list(range(B * batches))
     assert learner.updates == 2 * batches and trainer.policy_version == batches
-    assert learner.env_steps_trained == batches * B * spec.unroll_length
+    assert learner.env_steps_trained == batches * B * SPEC.unroll_length
     assert [u.version for u in updates] == list(range(1, batches + 1))
-    assert all(sum(u.stats["rho_hist"]) == 2 * B * spec.unroll_length for u in updates)
+    assert all(sum(u.stats["rho_hist"]) == 2 * B * SPEC.unroll_length for u in updates)
     with pytest.raises(ValueError, match="updates_per_batch"):
         LearnerConfig.of(updates_per_batch=0).check()
 
@@ -116,8 +115,6 @@ def test_a_collective_cut_by_the_shutdown_is_said_in_a_line(caplog):
     """A rank stopping while it waits in a collective for a rank that stopped first (2-rank runs stopped mid-update
     when one rank has no batch): the collective fails, and that is the shutdown's doing: one warning, no traceback
     (CI read one as a crash). The error still reaches ``on_exit``; any other failure keeps its traceback."""
-    spec = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
-
     entered = threading.Event()
 
     class WaitingLearner(Learner):
@@ -127,10 +124,10 @@ def test_a_collective_cut_by_the_shutdown_is_said_in_a_line(caplog):
                 time.sleep(0.001)
             raise CollectiveError("collective between learner ranks failed: Connection closed by peer")
 
-    ring = TrajectoryRing(spec, batch_size=B, num_batches=3, pin_memory=False, drop_when_full=False)
+    ring = TrajectoryRing(SPEC, batch_size=B, num_batches=3, pin_memory=False, drop_when_full=False)
     exited = []
     trainer = Trainer(
-        WaitingLearner(LearnerConfig(), spec, torch.device("cpu")), ring, max_policy_lag=10**9,
+        WaitingLearner(LearnerConfig(), SPEC, torch.device("cpu")), ring, max_policy_lag=10**9,
         after_update=lambda update: False, on_exit=exited.append,
     )  # fmt: skip
     producer = threading.Thread(target=produce, args=(ring, B, threading.Event()), daemon=True)
