@@ -58,12 +58,14 @@ def parse(line: str, state: dict) -> dict | None:
     return None
 
 
-def run_sample_factory(sf_python: str, out: Path, seed: int, target: float, timeout_s: float) -> dict:
+def run_sample_factory(
+    sf_python: str, out: Path, seed: int, target: float, timeout_s: float, extra: tuple[str, ...] = ()
+) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     launcher = out / "launch_sf_atari.py"
     launcher.write_text(LAUNCHER)
     cmd = [sf_python, str(launcher), "--env=atari_pong", "--experiment=pong", f"--train_dir={out / 'train_dir'}"]
-    cmd += ["--device=cpu", f"--seed={seed}", "--train_for_env_steps=1000000000"]
+    cmd += ["--device=cpu", f"--seed={seed}", "--train_for_env_steps=1000000000", *extra]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     state: dict = {"env_steps": 0, "episode_return_mean": None}
@@ -98,10 +100,19 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("runs/sf-pong"))
     p.add_argument("--skip-sf", action="store_true", help="keep Sample Factory's run of an earlier call")
     p.add_argument("--skip-ours", action="store_true", help="only Sample Factory's run")
+    p.add_argument(
+        "--sf-flag",
+        action="append",
+        default=[],
+        help="one more flag for Sample Factory (repeatable), e.g. --sf-flag=--normalize_input=False: an ablation",
+    )
     a = p.parse_args()
     sf_dir = a.out / "sample-factory"
     if not a.skip_sf:
-        print(json.dumps(run_sample_factory(a.sf_python, sf_dir, SEED, a.target, a.timeout_s)), flush=True)
+        print(
+            json.dumps(run_sample_factory(a.sf_python, sf_dir, SEED, a.target, a.timeout_s, tuple(a.sf_flag))),
+            flush=True,
+        )
     experiment = ROOT / "tools" / "experiments" / "pong-v4-vs-sf.toml"  # seed 0, the same target and limit
     if not a.skip_ours:
         ab = [sys.executable, str(ROOT / "tools" / "ab.py"), str(experiment), "--out", str(a.out)]
