@@ -251,3 +251,33 @@ def test_a_linear_rate_that_would_reach_zero_before_the_budget_is_warned_of():
     for bad in ({"schedule_env_steps": 0}, {"rmsprop_eps": 0.0}, {"adam_eps": float("inf")}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LearnerConfig.of(**bad).check()
+
+
+def test_obs_norm_folds_each_batch_in_once_with_the_moments_numpy_gives():
+    """--obs-norm 1: the learner keeps per-pixel running moments of its scaled inputs (nets.ObsNorm), updated by a
+    batch's first update only, after it (a batch is normalised as its actor normalised it; ``updates_per_batch``'
+    repeats see the same statistics). Ground truth: Chan et al.'s
+    combination of moments, in float64 numpy, from the prior (mean 0, var 1, weight 1) over every observation."""
+    spec = TrajectorySpec(obs_shape=(2, 12, 12), obs_dtype="uint8", num_actions=3, unroll_length=5)
+    learner = _learner(spec, model="minatar", obs_norm=1, input_scale=1 / 255)
+    norm = learner.model.obs_norm
+    mean, var, count = np.zeros((2, 12, 12)), np.ones((2, 12, 12)), 1.0
+    for seed in (1, 2):
+        arrays = random_arrays(spec, 4, seed=seed)
+        arrays["obs"][:, :, 0, :6] = 17  # a constant part of the picture: its variance stays the prior's share
+        obs = arrays["obs"].reshape(-1, 2, 12, 12).astype(np.float64) * np.float32(1 / 255)  # [B * (T+1), C, H, W]
+        n, bm, bv = len(obs), obs.mean(0), obs.var(0, ddof=1)
+        total, delta = count + n, bm - mean
+        var = (var * count + bv * n + delta**2 * count * n / total) / total
+        mean, count = mean + delta * n / total, total
+        batch = {k: torch.from_numpy(v) for k, v in arrays.items()}
+        with torch.no_grad():  # the actor's logits at lag 0: the weights, and statistics, before this update
+            batch["behaviour_logits"] = learner.model.unroll(batch["obs"], ())[0][:-1].transpose(0, 1).contiguous()
+        stats = learner.step(batch)
+        assert abs(stats["rho_mean"] - 1) < 1e-5, "the batch was normalised with statistics its actor did not have"
+        learner.step(batch, count_steps=False)  # the same batch's second update: no second fold
+        assert norm.count.item() == count == 1 + seed * 4 * 6
+        np.testing.assert_allclose(norm.mean.numpy(), mean, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(norm.var.numpy(), var, rtol=1e-4, atol=1e-7)
+    assert norm.var[0, :6].max() < 0.03 < norm.var[1].min()  # constant pixels: the prior's share (about 1/49) alone
+    assert "obs_norm.mean" in learner.model.state_dict()  # buffers: they travel with the weights and checkpoints

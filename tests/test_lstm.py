@@ -1,5 +1,6 @@
 """The LSTM core end to end: a real actor process carries the recurrent state across unrolls and resets it where an
-episode begins; the learner, given the state the actor sent, reproduces every logit the actor acted with.
+episode begins; the learner, given the state the actor sent, reproduces every logit the actor acted with (the
+network also normalises its input, --obs-norm 1: the actor applies the statistics that came with the weights).
 
 The test process plays the learner's sockets itself (a PULL and an XPUB, real ZeroMQ): it publishes one weights message
 for a MinAtar Breakout network with an LSTM core (random weights, so that logits vary), collects the trajectory
@@ -33,12 +34,14 @@ T, K, H = 50, 4, 32  # unroll length (the 50-100 the article recommends), enviro
 
 def test_the_learner_reproduces_the_actors_logits_from_the_carried_state(tmp_path, caplog):
     spec = TrajectorySpec(obs_shape=(4, 10, 10), obs_dtype="uint8", num_actions=3, unroll_length=T, core_state_size=H)
-    cfg = ModelConfig.minatar(input_scale=1.0, lstm_size=H)
+    cfg = ModelConfig.minatar(input_scale=1.0, lstm_size=H, obs_norm=True)  # the normaliser's buffers travel too
     torch.manual_seed(0)
     net = build_model(spec, cfg).eval()
     with torch.no_grad():
         for p in net.parameters():
             p.add_(torch.randn_like(p) * 0.3)
+        net.obs_norm.mean.uniform_(0.0, 0.5)  # statistics a run could have: a set cell stands out, up to the clip
+        net.obs_norm.var.uniform_(0.01, 0.3)
     run_info = {
         "protocol": wire.PROTOCOL_VERSION,
         "env_id": "MinAtar/Breakout-v1",

@@ -62,13 +62,15 @@ def test_minatar_network_is_the_papers():
     assert sum(p.numel() for p in net.parameters()) == conv3(4, 16) + (1024 * 128 + 128) + (128 * 3 + 3) + 129
 
 
-def test_auto_picks_by_image_size_and_the_lstm_needs_images():
+def test_auto_picks_by_image_size_and_the_lstm_and_obs_norm_need_images():
     assert ModelConfig().resolved(ATARI).conv_layers[0] == (32, 8, 4, 0)  # Nature
     assert ModelConfig().resolved(MINATAR).conv_layers == ((16, 3, 1, 0),)
     vector = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
     assert ModelConfig().resolved(vector).kind == "mlp"
-    with pytest.raises(ValueError, match="LSTM core needs an image network"):
-        ModelConfig(lstm_size=8).resolved(vector)
+    for request in (ModelConfig(lstm_size=8), ModelConfig(obs_norm=True)):
+        with pytest.raises(ValueError, match="LSTM core or obs_norm needs an image network"):
+            request.resolved(vector)
+    assert ModelConfig(obs_norm=True).resolved(ATARI).obs_norm and ModelConfig(obs_norm=True).resolved(MINATAR).obs_norm
 
 
 def test_unroll_equals_stepping_and_resets_at_episode_starts():

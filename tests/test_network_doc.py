@@ -20,7 +20,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from impala_async.core import wire
-from impala_async.core.models import MODEL_KEYS, ModelConfig, build_model
+from impala_async.core.models import MODEL_KEYS, OPTIONAL_KEYS, ModelConfig, build_model
 from impala_async.core.spec import TrajectorySpec
 
 MAX_BYTES = 64 << 20
@@ -88,6 +88,8 @@ def expected_shapes(model: dict, obs_shape, num_actions: int) -> dict[str, tuple
             c, H, W = o, (H + 2 * p - k) // s + 1, (W + 2 * p - k) // s + 1
         width = model["fc_size"]
         out["fc.0.weight"], out["fc.0.bias"] = (width, c * H * W), (width,)
+    if model.get("obs_norm"):
+        out.update({"obs_norm.mean": tuple(obs_shape), "obs_norm.var": tuple(obs_shape), "obs_norm.count": (1,)})
     L = model.get("lstm_size", 0)
     if L:
         out.update(
@@ -144,6 +146,15 @@ def lstm(x, t, state, mutant=None):
     return sigmoid(o) * np.tanh(c), c
 
 
+def scaled(model: dict, t: dict, obs: np.ndarray, mutant: str | None) -> np.ndarray:
+    """An image network's input: float32 pixels times input_scale, then with obs_norm per element
+    clip((x - mean) / sqrt(var + 1e-5), -5, 5)."""
+    x = obs.astype(F32) * (F32(1) if mutant == "no_input_scale" else F32(model["input_scale"]))
+    if model.get("obs_norm") and mutant != "no_obs_norm":
+        x = np.clip((x - t["obs_norm.mean"]) / np.sqrt(t["obs_norm.var"] + F32(1e-5)), F32(-5), F32(5))
+    return x
+
+
 def forward(model: dict, t: dict, obs: np.ndarray, mutant: str | None = None, state=None):
     """(logits [N, A], values [N]) as the page says, plus the next state (h', c') with an LSTM core (``state`` (h, c)
     is zeros when not given); ``mutant`` names a misreading of the page, for the negative tests."""
@@ -164,7 +175,7 @@ def forward(model: dict, t: dict, obs: np.ndarray, mutant: str | None = None, st
             out[torso] = h
         p, v = out["policy_torso"], out["value_torso"]
     elif model["kind"] == "conv":
-        x = obs.astype(F32) * (F32(1) if mutant == "no_input_scale" else F32(model["input_scale"]))
+        x = scaled(model, t, obs, mutant)
         for j, (_out, _k, stride, padding) in enumerate(model["conv_layers"]):
             w = t[f"torso.{2 * j}.weight"]
             w = w[:, :, ::-1, ::-1] if mutant == "flipped_kernel" else w
@@ -188,7 +199,7 @@ def heads(model, t, p, v, mutant, state):
 
 def deep_forward(model, t, obs, mutant, state):
     n = obs.shape[0]
-    x = obs.astype(F32) * F32(model["input_scale"])
+    x = scaled(model, t, obs, mutant)
     relu = ACT["relu"]
     for i, (_ch, blocks) in enumerate(model["stages"]):
         x = conv2d(x, t[f"stages.{i}.conv.weight"], t[f"stages.{i}.conv.bias"], 1, 1)
@@ -238,11 +249,13 @@ CASES = {
     "conv-minatar-lstm": _conv((6, 10, 10), 5, {**MINATAR, "lstm_size": 24}),
     "deep-atari": _conv((4, 84, 84), 6, DEEP),
     "deep-small-lstm": _conv((3, 13, 10), 4, {**DEEP, "stages": [[8, 1], [12, 2]], "fc_size": 32, "lstm_size": 16}),
+    "conv-small-image-obs-norm": _conv((3, 44, 52), 4, {**NATURE, "obs_norm": True}),
+    "deep-small-obs-norm": _conv((3, 13, 10), 4, {**DEEP, "stages": [[8, 1]], "fc_size": 32, "obs_norm": True}),
 }
 MUTANTS = {
     "mlp": ("no_last_activation", "shared_torso"),
-    "conv": ("no_last_activation", "flatten_hwc", "flipped_kernel", "no_input_scale"),
-    "deep": ("relu_before_pool", "pool_unpadded", "no_skip"),
+    "conv": ("no_last_activation", "flatten_hwc", "flipped_kernel", "no_input_scale", "no_obs_norm"),
+    "deep": ("relu_before_pool", "pool_unpadded", "no_skip", "no_obs_norm"),
 }
 LSTM_MUTANTS = ("gate_order",)
 
@@ -257,6 +270,10 @@ def _published(name: str, seed: int = 0):
         for p in net.parameters():  # about the init's own scale, biases included, heads made to matter
             fan_in = p[0].numel() if p.dim() > 1 else 10
             p.add_(torch.randn(p.shape, generator=g) / fan_in**0.5)
+        if getattr(net, "obs_norm", None) is not None:  # statistics a run could have: some pixels clipped at +-5
+            net.obs_norm.mean.copy_(torch.rand(net.obs_norm.mean.shape, generator=g))
+            net.obs_norm.var.copy_(torch.rand(net.obs_norm.var.shape, generator=g) * 0.1 + 1e-3)
+            net.obs_norm.count.fill_(1000.0)
     run_info = {"protocol": wire.PROTOCOL_VERSION, "spec": spec.to_dict(), "model": cfg.resolved(spec).to_dict()}
     tensors = {k: v.numpy() for k, v in net.state_dict().items()}
     # encode_weights gained an incarnation argument while this test was written; pass one when it takes it
@@ -322,6 +339,7 @@ def test_numpy_forward_from_doc_matches_torch(name):
         for name, (spec, cfg) in CASES.items()
         for m in MUTANTS[cfg.resolved(spec).kind] + (LSTM_MUTANTS if cfg.resolved(spec).lstm_size else ())
         if not (m == "no_input_scale" and cfg.resolved(spec).input_scale == 1)
+        and not (m == "no_obs_norm" and not cfg.resolved(spec).obs_norm)
     ],
 )
 def test_the_check_can_fail(name, mutant):
@@ -341,7 +359,7 @@ def test_run_model_says_what_is_built():
     vector = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=4)
     learner_cfg = ModelConfig(hidden_sizes=(32, 32), activation="tanh")  # as learner.learn.model_config makes it
     conv = learner_cfg.resolved(atari).to_dict()
-    assert conv == NATURE and set(conv) == set(MODEL_KEYS["conv"])
+    assert conv == NATURE and set(conv) == set(MODEL_KEYS["conv"]) - set(OPTIONAL_KEYS["conv"])  # obs_norm: off
     assert "hidden_sizes" not in conv and "tanh" not in json.dumps(conv)
     assert learner_cfg.resolved(vector).to_dict() == {"kind": "mlp", "hidden_sizes": [32, 32], "activation": "tanh"}
     with pytest.raises(ValueError, match="auto"):
@@ -381,6 +399,8 @@ def test_from_dict_rebuilds_the_same_network(name):
         ({**NATURE, "conv_layers": [[32, 8, 0, 0]]}, "stride"),
         ({**NATURE, "fc_size": 512.0}, "fc_size"),
         ({**NATURE, "input_scale": float("nan")}, "input_scale"),
+        ({**NATURE, "obs_norm": 1}, "obs_norm must be true or false"),
+        ({"kind": "mlp", "hidden_sizes": [64], "activation": "tanh", "obs_norm": True}, "unknown key.*'obs_norm'"),
         ([("kind", "mlp")], "must be a map"),
     ],
 )
@@ -394,8 +414,10 @@ def test_a_concrete_kind_takes_only_its_own_fields():
         ModelConfig(kind="mlp", fc_size=256)
     with pytest.raises(ValueError, match="does not use hidden_sizes, activation"):
         ModelConfig(kind="conv", hidden_sizes=(8,), activation="elu")
-    with pytest.raises(ValueError, match="LSTM core needs an image network"):
+    with pytest.raises(ValueError, match="LSTM core or obs_norm needs an image network"):
         ModelConfig(kind="mlp", lstm_size=8)
+    with pytest.raises(ValueError, match="does not use obs_norm"):
+        ModelConfig(kind="mlp", obs_norm=True)
     spec = TrajectorySpec(obs_shape=(1, 6, 6), obs_dtype="uint8", num_actions=2, unroll_length=4)
     with pytest.raises(ValueError, match="too small"):
         build_model(spec, ModelConfig("conv"))  # the Nature network's 8x8 stride 4 cannot take 6x6

@@ -203,6 +203,12 @@ class Model(Section):
         "image networks multiply uint8 pixels by this (0: auto, 1 / the observation space's "
         "maximum: 1/255 for Atari frames, 1 for MinAtar's 0/1 planes)",
     )
+    obs_norm: int = opt(
+        0,
+        "1: image networks normalise each scaled pixel by running mean and variance (the learner's, sent with "
+        "the weights), clipped to +-5, as Sample Factory's normalize_input",
+        choices=(0, 1),
+    )
 
     def check(self) -> None:
         super().check()
@@ -212,6 +218,10 @@ class Model(Section):
             not (self.use_lstm and self.model == "mlp"),
             "use_lstm needs an image network: the MLP has two torsos "
             "and no core (choose --model auto, shallow, minatar or deep)",
+        )
+        need(
+            not (self.obs_norm and self.model == "mlp"),
+            "obs_norm needs an image network (choose --model auto, shallow, minatar or deep)",
         )
         try:
             sizes = self.hidden_size_tuple

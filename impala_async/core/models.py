@@ -22,17 +22,19 @@ MINATAR_FC_SIZE = 128
 SMALL_IMAGE_PIXELS = 16  # "auto" picks the MinAtar network for images at most this high and wide
 IMPALA_STAGES = ((16, 2), (32, 2), (32, 2))  # (channels, residual blocks) per stage of the IMPALA deep network
 IMPALA_FC_SIZE = 256
-# The keys of run.model per kind, closed: an actor refuses a kind or a key it does not know.
+# The keys of run.model per kind, closed: an actor refuses a kind or a key it does not know. OPTIONAL_KEYS may be
+# absent (learners before them; a learner leaves them out at their default, so actors before them still act).
+OPTIONAL_KEYS = {"mlp": (), "conv": ("obs_norm",), "deep": ("obs_norm",)}
 MODEL_KEYS = {
     "mlp": ("kind", "hidden_sizes", "activation"),
-    "conv": ("kind", "input_scale", "conv_layers", "fc_size", "activation", "lstm_size"),
-    "deep": ("kind", "input_scale", "stages", "fc_size", "lstm_size"),
+    "conv": ("kind", "input_scale", "conv_layers", "fc_size", "activation", "lstm_size", "obs_norm"),
+    "deep": ("kind", "input_scale", "stages", "fc_size", "lstm_size", "obs_norm"),
 }
 # The ModelConfig fields each kind uses; a concrete kind leaves the others at their defaults.
 _KIND_FIELDS = {
     "mlp": ("hidden_sizes", "activation"),
-    "conv": ("conv_layers", "fc_size", "conv_activation", "input_scale", "lstm_size"),
-    "deep": ("stages", "fc_size", "input_scale", "lstm_size"),
+    "conv": ("conv_layers", "fc_size", "conv_activation", "input_scale", "lstm_size", "obs_norm"),
+    "deep": ("stages", "fc_size", "input_scale", "lstm_size", "obs_norm"),
 }
 
 
@@ -98,6 +100,7 @@ class ModelConfig:
     input_scale: float = 1 / 255  # image networks multiply their float32 input by this (uint8 pixels to [0, 1])
     stages: tuple[tuple[int, int], ...] = IMPALA_STAGES
     lstm_size: int = 0  # units of the LSTM core after the torso (0: none); image networks only
+    obs_norm: bool = False  # image networks: scaled pixels normalised per element by running statistics (nets.ObsNorm)
 
     def __post_init__(self):
         if self.kind not in ("auto", *MODEL_KEYS):
@@ -117,6 +120,8 @@ class ModelConfig:
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"input_scale must be a finite number > 0, got {scale!r}")
         object.__setattr__(self, "input_scale", float(scale))
+        if not isinstance(self.obs_norm, bool):
+            raise ValueError(f"obs_norm must be true or false, got {self.obs_norm!r}")
         self._check_unused()
 
     def _check_unused(self) -> None:
@@ -129,18 +134,24 @@ class ModelConfig:
             if f.name != "kind" and f.name not in _KIND_FIELDS[self.kind] and getattr(self, f.name) != f.default
         ]
         if unused:
-            raise ValueError(
-                f"a {self.kind} model does not use {', '.join(unused)}"
-                + (" (an LSTM core needs an image network)" if "lstm_size" in unused else "")
-            )
+            image_only = {"lstm_size", "obs_norm"} & set(unused)
+            why = " (an LSTM core or obs_norm needs an image network)" if image_only else ""
+            raise ValueError(f"a {self.kind} model does not use {', '.join(unused)}{why}")
 
     @classmethod
-    def deep(cls, input_scale: float = 1 / 255, lstm_size: int = 0) -> ModelConfig:
+    def deep(cls, input_scale: float = 1 / 255, lstm_size: int = 0, obs_norm: bool = False) -> ModelConfig:
         """The IMPALA paper's deep network: stages (16, 2), (32, 2), (32, 2) and a fully connected layer of 256."""
-        return cls("deep", stages=IMPALA_STAGES, fc_size=IMPALA_FC_SIZE, input_scale=input_scale, lstm_size=lstm_size)
+        return cls(
+            "deep",
+            stages=IMPALA_STAGES,
+            fc_size=IMPALA_FC_SIZE,
+            input_scale=input_scale,
+            lstm_size=lstm_size,
+            obs_norm=obs_norm,
+        )
 
     @classmethod
-    def minatar(cls, input_scale: float = 1.0, lstm_size: int = 0) -> ModelConfig:
+    def minatar(cls, input_scale: float = 1.0, lstm_size: int = 0, obs_norm: bool = False) -> ModelConfig:
         """The MinAtar paper's network: one 3x3 convolution of 16 channels, a fully connected layer of 128."""
         return cls(
             "conv",
@@ -148,6 +159,7 @@ class ModelConfig:
             fc_size=MINATAR_FC_SIZE,
             input_scale=input_scale,
             lstm_size=lstm_size,
+            obs_norm=obs_norm,
         )
 
     def resolved(self, spec: TrajectorySpec) -> ModelConfig:
@@ -158,20 +170,22 @@ class ModelConfig:
             return self
         if spec.obs_dtype == "uint8" and len(spec.obs_shape) == 3:
             if max(spec.obs_shape[1:]) <= SMALL_IMAGE_PIXELS:
-                return ModelConfig.minatar(self.input_scale, self.lstm_size)
-            return ModelConfig("conv", input_scale=self.input_scale, lstm_size=self.lstm_size)
-        if self.lstm_size:
+                return ModelConfig.minatar(self.input_scale, self.lstm_size, self.obs_norm)
+            return ModelConfig("conv", input_scale=self.input_scale, lstm_size=self.lstm_size, obs_norm=self.obs_norm)
+        if self.lstm_size or self.obs_norm:
             raise ValueError(
-                "an LSTM core needs an image network (uint8 [C, H, W] observations); these are "
+                "an LSTM core or obs_norm needs an image network (uint8 [C, H, W] observations); these are "
                 f"{spec.obs_dtype} {list(spec.obs_shape)}"
             )
         return ModelConfig("mlp", hidden_sizes=self.hidden_sizes, activation=self.activation)
 
     def to_dict(self) -> dict:
-        """``run.model``: the network, completely, with exactly the keys in ``MODEL_KEYS[kind]``. Raises ValueError
+        """``run.model``: the network, completely, with the keys in ``MODEL_KEYS[kind]`` (those in ``OPTIONAL_KEYS``
+        only away from their defaults). Raises ValueError
         for kind "auto", which is a request and no network yet (resolve it against a spec first)."""
         if self.kind == "mlp":
             return {"kind": "mlp", "hidden_sizes": list(self.hidden_sizes), "activation": self.activation}
+        optional = {"obs_norm": True} if self.obs_norm else {}  # left out at its default: older actors still act
         if self.kind == "conv":
             return {
                 "kind": "conv",
@@ -180,6 +194,7 @@ class ModelConfig:
                 "fc_size": self.fc_size,
                 "activation": self.conv_activation,
                 "lstm_size": self.lstm_size,
+                **optional,
             }
         if self.kind == "deep":
             return {
@@ -188,6 +203,7 @@ class ModelConfig:
                 "stages": [list(s) for s in self.stages],
                 "fc_size": self.fc_size,
                 "lstm_size": self.lstm_size,
+                **optional,
             }
         raise ValueError("a model config of kind auto describes no network yet: resolve it against a spec first")
 
@@ -200,8 +216,8 @@ class ModelConfig:
         kind = d.get("kind")
         if not isinstance(kind, str) or kind not in MODEL_KEYS:
             raise ValueError(f"run.model: unknown model kind {kind!r} (this actor knows {', '.join(MODEL_KEYS)})")
-        want = set(MODEL_KEYS[kind])
-        missing, unknown = sorted(want - set(d)), sorted(map(repr, set(d) - want))
+        want, optional = set(MODEL_KEYS[kind]), set(OPTIONAL_KEYS[kind])
+        missing, unknown = sorted(want - optional - set(d)), sorted(map(repr, set(d) - want))
         if missing or unknown:
             raise ValueError(
                 f"run.model of kind {kind}: "
@@ -224,6 +240,7 @@ class ModelConfig:
                     fc_size=d["fc_size"],
                     input_scale=d["input_scale"],
                     lstm_size=d["lstm_size"],
+                    obs_norm=d.get("obs_norm", False),
                 )
             return cls(
                 "conv",
@@ -232,6 +249,7 @@ class ModelConfig:
                 conv_activation=d["activation"],
                 input_scale=d["input_scale"],
                 lstm_size=d["lstm_size"],
+                obs_norm=d.get("obs_norm", False),
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"run.model of kind {kind}: {e}") from None
@@ -277,6 +295,7 @@ def build_model(spec: TrajectorySpec, cfg: ModelConfig) -> ActorCritic:
             cfg.input_scale,
             cfg.lstm_size,
             flat_size=math.prod(conv_output_shape(spec.obs_shape, cfg.conv_layers)),
+            obs_norm=cfg.obs_norm,
         )
     if cfg.kind == "deep":
         return ResNetActorCritic(
@@ -287,5 +306,6 @@ def build_model(spec: TrajectorySpec, cfg: ModelConfig) -> ActorCritic:
             cfg.input_scale,
             cfg.lstm_size,
             flat_size=math.prod(resnet_output_shape(spec.obs_shape, cfg.stages)),
+            obs_norm=cfg.obs_norm,
         )
     return MLPActorCritic(math.prod(spec.obs_shape), spec.num_actions, cfg.hidden_sizes, cfg.activation)

@@ -38,9 +38,64 @@ def mlp(sizes, activation) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+class ObsNorm(nn.Module):
+    """Per-element running normalisation of scaled image observations ``x [N, C, H, W]`` (Sample Factory's
+    ``normalize_input``): ``clamp((x - mean) / sqrt(var + 1e-5), -5, 5)``. Its buffers ``mean`` and ``var`` ``[C, H,
+    W]`` and ``count`` ``[1]`` travel with the weights, so actor and learner normalise alike; only the learner changes
+    them (:meth:`update`, once per batch). A pixel that never changes (Pong's background) is 0 to the network, one
+    that rarely does (the ball's path) stands out at up to 5."""
+
+    EPS, CLIP = 1e-5, 5.0
+    mean: torch.Tensor  # buffers (annotations only: a class value would shadow them)
+    var: torch.Tensor
+    count: torch.Tensor
+
+    def __init__(self, shape):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(shape))
+        self.register_buffer("var", torch.ones(shape))
+        self.register_buffer("count", torch.ones(1))  # the prior's weight: mean 0, var 1 as if from one sample
+
+    def forward(self, pixels: torch.Tensor, scale: float) -> torch.Tensor:
+        """``pixels [N, C, H, W]`` (float32, unscaled) -> ``clamp((pixels * scale - mean) / sqrt(var + 1e-5), -5,
+        5)``, computed as one multiply-add per element (``pixels * gain + shift``, gain and shift ``[C, H, W]``):
+        the learner's largest tensor passes over memory twice instead of four times; the result agrees with the
+        formula to float32 rounding."""
+        inv_std = torch.rsqrt(self.var + self.EPS)
+        return torch.addcmul(-self.mean * inv_std, pixels, inv_std * scale).clamp_(-self.CLIP, self.CLIP)
+
+    @torch.no_grad()
+    def update(self, pixels: torch.Tensor, scale: float) -> None:
+        """Fold ``pixels [N, C, H, W]`` (float32, unscaled) times ``scale`` into the running moments (Chan et al.'s
+        parallel combination; the batch's variance unbiased, as Sample Factory's). One pass over the batch: the
+        moments of the unscaled pixels, then scaled."""
+        n = pixels.shape[0]
+        if n > 1:
+            batch_var, batch_mean = torch.var_mean(pixels, 0)
+        else:
+            batch_var, batch_mean = torch.zeros_like(self.var), pixels[0]
+        batch_mean, batch_var = batch_mean * scale, batch_var * (scale * scale)
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.var.copy_((self.var * self.count + batch_var * n + delta.square() * self.count * n / total) / total)
+        self.mean.add_(delta * (n / total))
+        self.count.copy_(total)
+
+
 class ActorCritic(nn.Module):
     """Subclasses build their torso, then call :meth:`_heads`, and implement ``features(obs [N, ...]) ->
     (policy features [N, F], value features [N, F])`` (the same tensor twice for a shared torso)."""
+
+    input_scale: float  # image networks set both in their constructor (annotations only: see :meth:`scaled`)
+    obs_norm: ObsNorm | None
+
+    def scaled(self, obs: torch.Tensor) -> torch.Tensor:
+        """Image observations ``[N, C, H, W]`` as the torso takes them: float32 times ``input_scale``, normalised by
+        :class:`ObsNorm` where the network has one (``obs_norm``, a submodule or None: a class value would shadow
+        the registered module)."""
+        if self.obs_norm is None:
+            return obs.float() * self.input_scale
+        return self.obs_norm(obs.float(), self.input_scale)
 
     def _heads(self, width: int, num_actions: int, lstm_size: int = 0) -> None:
         # A submodule attribute, not a class one: a class attribute would shadow the registered module.
@@ -143,9 +198,11 @@ class ConvActorCritic(ActorCritic):
         input_scale: float = 1 / 255,
         lstm_size: int = 0,
         flat_size: int = 0,
+        obs_norm: bool = False,
     ):
         super().__init__()
         self.input_scale = float(input_scale)
+        self.obs_norm = ObsNorm(tuple(obs_shape)) if obs_norm else None
         layers, c = [], obs_shape[0]
         for out, k, s, p in conv_layers:
             layers += [init_(nn.Conv2d(c, out, k, stride=s, padding=p), math.sqrt(2)), ACTIVATIONS[activation]()]
@@ -155,7 +212,7 @@ class ConvActorCritic(ActorCritic):
         self._heads(fc_size, num_actions, lstm_size)
 
     def features(self, obs):
-        x = self.fc(self.torso(obs.float() * self.input_scale))
+        x = self.fc(self.torso(self.scaled(obs)))
         return x, x
 
 
@@ -188,9 +245,11 @@ class ResNetActorCritic(ActorCritic):
         input_scale: float = 1 / 255,
         lstm_size: int = 0,
         flat_size: int = 0,
+        obs_norm: bool = False,
     ):
         super().__init__()
         self.input_scale = float(input_scale)
+        self.obs_norm = ObsNorm(tuple(obs_shape)) if obs_norm else None
         self.stages = nn.ModuleList()
         c = obs_shape[0]
         for channels, blocks in stages:
@@ -204,7 +263,7 @@ class ResNetActorCritic(ActorCritic):
         self._heads(fc_size, num_actions, lstm_size)
 
     def features(self, obs):
-        x = obs.float() * self.input_scale
+        x = self.scaled(obs)
         for stage in self.stages:
             x = stage.pool(stage.conv(x))
             for block in stage.blocks:

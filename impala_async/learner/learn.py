@@ -44,17 +44,18 @@ def model_config(cfg: LearnerConfig) -> ModelConfig:
     """The network the configuration asks for (kind "auto" is resolved against the spec by :class:`Learner`).
     ``input_scale`` 0 (auto) is resolved with the configuration (config/resolve.py); 1/255 here."""
     m = cfg.model
-    lstm = m.lstm_size if m.use_lstm else 0
-    scale = m.input_scale or 1 / 255
+    scale, lstm, norm = m.input_scale or 1 / 255, m.lstm_size if m.use_lstm else 0, bool(m.obs_norm)
     if m.model == "mlp":
         return ModelConfig("mlp", hidden_sizes=m.hidden_size_tuple, activation=m.activation)
     if m.model == "shallow":
-        return ModelConfig("conv", input_scale=scale, lstm_size=lstm)
+        return ModelConfig("conv", input_scale=scale, lstm_size=lstm, obs_norm=norm)
     if m.model == "minatar":
-        return ModelConfig.minatar(input_scale=scale, lstm_size=lstm)
+        return ModelConfig.minatar(input_scale=scale, lstm_size=lstm, obs_norm=norm)
     if m.model == "deep":
-        return ModelConfig.deep(input_scale=scale, lstm_size=lstm)
-    return ModelConfig(hidden_sizes=m.hidden_size_tuple, activation=m.activation, input_scale=scale, lstm_size=lstm)
+        return ModelConfig.deep(input_scale=scale, lstm_size=lstm, obs_norm=norm)
+    return ModelConfig(
+        hidden_sizes=m.hidden_size_tuple, activation=m.activation, input_scale=scale, lstm_size=lstm, obs_norm=norm
+    )
 
 
 class _Unroll(torch.nn.Module):
@@ -173,7 +174,8 @@ class Learner:
         into their documented ranges (``max_abs_*``); ``stats["inputs_clipped"]`` counts them."""
         entropy_cost, lr = self.entropy_cost(), self.learning_rate()
         x, total, metrics = self._loss(batch, entropy_cost)
-        skipped, last, grad_norm = self._apply(total, lr, batch_steps=x.rewards.numel() if count_steps else 0)
+        steps, fold = (x.rewards.numel(), x.obs) if count_steps else (0, None)
+        skipped, last, grad_norm = self._apply(total, lr, batch_steps=steps, fold=fold)
         scalars = torch.stack([*(metrics[k] for k in STAT_NAMES), grad_norm.float(), x.clipped.float()]).tolist()
         stats = dict(zip((*STAT_NAMES, "grad_norm", "inputs_clipped"), scalars, strict=True))
         stats.update(
@@ -208,8 +210,15 @@ class Learner:
         total.backward()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _apply(self, total: torch.Tensor, lr: float, batch_steps: int) -> tuple[bool, bool, torch.Tensor]:
+    def _apply(
+        self, total: torch.Tensor, lr: float, batch_steps: int, fold: torch.Tensor | None = None
+    ) -> tuple[bool, bool, torch.Tensor]:
         """Backward, clip, and the optimizer step unless this update is skipped. Returns (skipped, last, grad norm).
+
+        ``fold`` (a batch's observations ``[B, T+1, C, H, W]``, at its first update): a network with an observation
+        normaliser folds them into its statistics after the step, under the same lock, so that the batch was
+        normalised as its actor normalised it (at lag 0, exactly) and the next weights carry its statistics. With
+        several ranks DDP sends rank 0's buffers to every rank at the next forward pass.
 
         With several ranks every rank backpropagates (DDP averages the gradients during it) and an all-reduce of two
         flags decides, the same on every rank, whether any rank's loss was not finite (all skip) and whether rank 0
@@ -241,6 +250,9 @@ class Learner:
             with self.apply_lock:
                 self.applying = True
                 self.optimizer.step()
+                norm = getattr(self.model, "obs_norm", None)
+                if fold is not None and norm is not None:
+                    norm.update(fold.flatten(0, 1).float(), self.model.input_scale)  # [B * (T+1), C, H, W]
                 self.updates += 1
                 self.applying = False
         return skipped, last, grad_norm

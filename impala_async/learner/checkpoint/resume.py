@@ -38,6 +38,7 @@ SHAPING = (
     "activation",
     "use_lstm",
     "lstm_size",
+    "obs_norm",
     "optimizer",
 )
 
