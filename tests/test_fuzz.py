@@ -11,6 +11,11 @@ arbitrary values poked into the arrays of otherwise valid messages, against an o
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import lz4.block
 import msgpack
 import numpy as np
@@ -23,6 +28,7 @@ from impala_async.core import wire
 from impala_async.core.decoder import TrajectoryDecoder
 from impala_async.core.spec import CHECK_ACTION, CHECK_FINITE, CHECK_FLAG, TrajectorySpec
 
+ROOT = Path(__file__).resolve().parent.parent
 SPECS, LIMITS = FUZZ_SPECS, FUZZ_LIMITS
 # The decoder finds NaN and infinity as a NaN dot product; numpy warns about it, which is expected here.
 DECODERS = {name: TrajectoryDecoder(spec, LIMITS) for name, spec in SPECS.items()}
@@ -432,3 +438,20 @@ def test_bin_map_keys_are_rejected(where):
     with pytest.raises(wire.Rejected) as e:
         DECODERS["vector"].parse(msgpack.packb(msg, use_bin_type=True))
     assert e.value.reason in ("malformed", "bad_header", "bad_field")
+
+
+@pytest.mark.process
+def test_the_libfuzzer_tool_runs_in_its_smallest_mode(tmp_path):
+    """tools/fuzz_decoder.py (atheris, coverage-guided) for 2 s on the image spec: libFuzzer finds no input that breaks
+    the property above (it would stop, write crash-*, and exit non-zero), and a corpus file replays. A process of its
+    own, not the fork server's: atheris instruments only modules imported after it starts."""
+    pytest.importorskip("atheris", reason="tools/fuzz_decoder.py needs atheris (wheels for Linux x86-64)")
+    tool, corpus = [sys.executable, str(ROOT / "tools" / "fuzz_decoder.py")], tmp_path / "corpus"
+    out = subprocess.run([*tool, "--seconds", "2", "--spec", "image", "--corpus", str(corpus)], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0 and not list(tmp_path.glob("crash-*")), out.stderr[-3000:]
+    runs = re.search(r"Done (\d+) runs in", out.stderr)
+    assert runs and int(runs.group(1)) > 100, out.stderr[-3000:]
+    replay = subprocess.run([*tool, "--spec", "image", "--replay", str(corpus / "seed-0")], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert replay.returncode == 0 and replay.stdout.strip() == "no crash", replay.stderr[-2000:]

@@ -95,6 +95,7 @@ SMALLEST = {
 }  # fmt: skip
 OWN_TEST = {
     "ab": "test_ab.py",
+    "fuzz_decoder": "test_fuzz.py",
     "k8s_render": "test_deploy.py",
     "plot": "test_plot.py",
     "sf_pong": "test_sf_pong.py",
@@ -104,7 +105,6 @@ NOT_RUN = {
     "bench_ingest": "its rows are loadtest.py runs (above) over ../shared/bench/limits.py, outside the repository",
     "compare_sample_factory": "needs Sample Factory's own virtual environment (.venv-sf)",
     "curriculum_lag": "its smallest mode is one 49-s run of the run test_curriculum.py makes (helpers.CURRICULUM_*)",
-    "fuzz_decoder": "needs atheris (libFuzzer); test_fuzz.py checks the same property with hypothesis",
     "soak": "ten minutes on a tmpfs it mounts; its attack steps are test_misleading's, test_health_attacks' and "
     "test_disk_faults' (BENCHMARKS.md, section 18)",
 }
