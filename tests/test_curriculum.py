@@ -4,10 +4,12 @@ real run whose environments follow the schedule across a resume."""
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 
 import numpy as np
 import pytest
-from helpers import CURRICULUM_ENV_STEPS, CURRICULUM_FLAGS
+from helpers import CURRICULUM_ENV_STEPS, CURRICULUM_FLAGS, tool
 from inprocess import configuration, resumed, train
 from procutil import read_metrics
 
@@ -81,7 +83,7 @@ def schedule(trained: float) -> float:
     return 0.5 + 1.5 * min(1.0, max(0.0, trained) / N_STEPS)
 
 
-def test_environments_follow_the_schedule_across_a_resume(tmp_path):
+def test_environments_follow_the_schedule_across_a_resume(tmp_path, monkeypatch, capsys):
     """DifficultyProbe's reward is the difficulty its episode ran at, so ``episode_return_mean`` (the last 100
     episodes) is the schedule seen through the actors. The schedule's clock is ``env_steps_trained`` (T, the
     learner's own count; each step here is an episode). Bounds for a record at T:
@@ -130,6 +132,12 @@ def test_environments_follow_the_schedule_across_a_resume(tmp_path):
     assert before["difficulty"] > 0.6  # stopped on the way up (or past it) ...
     assert after[0]["env_steps_trained"] >= before["env_steps_trained"]  # ... and resumed the count,
     assert after[0]["difficulty"] >= before["difficulty"]  # and the schedule with it, not from its start
+    # tools/curriculum_lag.py in its smallest mode (in this process): the lag it reports for this run is within the
+    # bound held above
+    monkeypatch.setattr(sys, "argv", ["curriculum_lag.py", "--logdir", str(logdir)])
+    assert tool("curriculum_lag").main() == 0
+    measured = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 <= measured["worst_lag_steps"] <= LAG + WINDOW / 2 and measured["worst_policy_lag_versions"] >= 0, measured
 
 
 def _learner_flags() -> list[str]:

@@ -63,6 +63,11 @@ def _actor_start(r):
     assert [len(r[m]["runs_s"]) for m in ("fork", "spawn")] == [1, 1] and r["fork"]["median_s"] > 0, r
 
 
+def _bench_ingest(r):
+    assert r["ceiling_frames_per_s"] is None and r["cartpole_8x1"]["frames_per_s"] > 0, r  # --limits none: no ratio
+    assert r["cartpole_8x1"]["of_best_path"] is None and set(r) == {"ceiling_frames_per_s", "cartpole_8x1"}, r
+
+
 def _ceiling(r):
     assert r["ceiling_before"]["ceiling_agent_steps_per_s"] > 0 and r["ceiling_before"]["learn_us"] > 0, r
 
@@ -92,9 +97,12 @@ SMALLEST = {
     ),
     "ceiling": (["--min-s", "0.2", "--json", "--", "--env", "CartPole-v1", "--envs-per-actor", "4"], _ceiling),
     "attack_figures": (["--issue15", "--only", "record_inflation"], _attack_figures),
+    "bench_ingest": (["--limits", "none", "--only", "cartpole_8x1", "--seconds", "1", "--warmup-s", "0.5"],
+                     _bench_ingest),
 }  # fmt: skip
 OWN_TEST = {
     "ab": "test_ab.py",
+    "curriculum_lag": "test_curriculum.py",
     "fuzz_decoder": "test_fuzz.py",
     "k8s_render": "test_deploy.py",
     "plot": "test_plot.py",
@@ -102,9 +110,7 @@ OWN_TEST = {
     "update_shares": "test_update_shares.py",
 }
 NOT_RUN = {
-    "bench_ingest": "its rows are loadtest.py runs (above) over ../shared/bench/limits.py, outside the repository",
     "compare_sample_factory": "needs Sample Factory's own virtual environment (.venv-sf)",
-    "curriculum_lag": "its smallest mode is one 49-s run of the run test_curriculum.py makes (helpers.CURRICULUM_*)",
     "soak": "ten minutes on a tmpfs it mounts; its attack steps are test_misleading's, test_health_attacks' and "
     "test_disk_faults' (BENCHMARKS.md, section 18)",
 }

@@ -10,6 +10,9 @@ One script, one run after the other, nothing else running:
 Prints one JSON object per measurement and a summary with the ratios.
 
     python tools/bench_ingest.py [--limits ../shared/bench/limits.py] [--seconds 15]
+    python tools/bench_ingest.py --limits none --only cartpole_8x1 --seconds 1 --warmup-s 0.5   # the smallest (CI)
+
+``--limits none`` measures no ceiling (the summary then has no ratios); ``--only`` runs the named rows alone.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def limits(path: Path) -> dict:
     }
 
 
-def loadtest(obs: str, actors: int, per_message: int, seconds: float, extra=()) -> dict:
+def loadtest(obs: str, actors: int, per_message: int, seconds: float, warmup_s: float, extra=()) -> dict:
     out = subprocess.run(
         [
             sys.executable,
@@ -54,6 +57,8 @@ def loadtest(obs: str, actors: int, per_message: int, seconds: float, extra=()) 
             str(per_message),
             "--seconds",
             str(seconds),
+            "--warmup-s",
+            str(warmup_s),
             "--pin",
             "--json",
             *extra,
@@ -68,54 +73,67 @@ def loadtest(obs: str, actors: int, per_message: int, seconds: float, extra=()) 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--limits", default=str(ROOT.parent / "shared" / "bench" / "limits.py"))
-    p.add_argument("--seconds", type=float, default=15.0)
-    p.add_argument("--skip-scaling", action="store_true")
-    a = p.parse_args()
-    ceiling = limits(Path(a.limits))
-    print(json.dumps({"limits": ceiling}), flush=True)
-    runs = {}
+PLAN = [  # (row, observations, actors, trajectories a message, loadtest's extra flags)
     # Atari as whole 4-frame stacks (--frame-dedup 0): the payload limits.py measures, so the ratio is like for like.
     # "atari_frames_*" is the default since frame dedup: the same env frames in a quarter of the bytes; its ratio to
     # the stacks' ceiling says how much faster the learner takes in Atari frames, not how close to a limit it runs.
-    stacks = ("--learner-flag=--frame-dedup=0",)
-    plan = [
-        ("atari_8x1", "atari", 8, 1, stacks),
-        ("atari_8x16", "atari", 8, 16, stacks),
-        ("atari_frames_8x1", "atari", 8, 1, ()),
-        ("atari_frames_8x16", "atari", 8, 16, ()),
-        ("cartpole_8x1", "cartpole", 8, 1, ()),
-        ("cartpole_8x16", "cartpole", 8, 16, ()),
-    ]
-    if not a.skip_scaling:
-        plan += [
-            ("atari_4x16", "atari", 4, 16, stacks),
-            ("atari_64x16", "atari", 64, 16, stacks),
-            ("cartpole_4x16", "cartpole", 4, 16, ()),
-            ("cartpole_64x16", "cartpole", 64, 16, ()),
-        ]
+    ("atari_8x1", "atari", 8, 1, ("--learner-flag=--frame-dedup=0",)),
+    ("atari_8x16", "atari", 8, 16, ("--learner-flag=--frame-dedup=0",)),
+    ("atari_frames_8x1", "atari", 8, 1, ()),
+    ("atari_frames_8x16", "atari", 8, 16, ()),
+    ("cartpole_8x1", "cartpole", 8, 1, ()),
+    ("cartpole_8x16", "cartpole", 8, 16, ()),
+]
+SCALING = [
+    ("atari_4x16", "atari", 4, 16, ("--learner-flag=--frame-dedup=0",)),
+    ("atari_64x16", "atari", 64, 16, ("--learner-flag=--frame-dedup=0",)),
+    ("cartpole_4x16", "cartpole", 4, 16, ()),
+    ("cartpole_64x16", "cartpole", 64, 16, ()),
+]
+
+
+def row_summary(r: dict, best: float | None) -> dict:
+    return {
+        "frames_per_s": round(r["frames_per_s"]),
+        "of_best_path": None if best is None else round(r["frames_per_s"] / best, 3),
+        "decoded_mb_per_s": round(r["decoded_mb_per_s"]),
+        "latency_p50_ms": r["latency_p50_ms"],
+        "latency_p99_ms": r["latency_p99_ms"],
+        "loop_lag_p99_ms": r["loop_lag_p99_ms"],
+        "stages_us_per_traj": {k: round(v * 1e6, 1) for k, v in r["stages"].items()},
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--limits", default=str(ROOT.parent / "shared" / "bench" / "limits.py"), help="or none")
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--warmup-s", type=float, default=5.0, help="each loadtest run's ignored start")
+    p.add_argument("--skip-scaling", action="store_true")
+    p.add_argument("--only", default="", help="comma-separated rows to run (default: all)")
+    a = p.parse_args()
+    plan = PLAN + ([] if a.skip_scaling else SCALING)
+    if a.only:
+        wanted = a.only.split(",")
+        unknown = sorted(set(wanted) - {row[0] for row in PLAN + SCALING})
+        if unknown:
+            p.error(f"unknown rows {unknown}; rows: {', '.join(row[0] for row in PLAN + SCALING)}")
+        plan = [row for row in PLAN + SCALING if row[0] in wanted]
+    ceiling = None if a.limits == "none" else limits(Path(a.limits))
+    print(json.dumps({"limits": ceiling}), flush=True)
+    runs = {}
     for name, obs, actors, n, extra in plan:
-        runs[name] = loadtest(obs, actors, n, a.seconds, extra)
+        runs[name] = loadtest(obs, actors, n, a.seconds, a.warmup_s, extra)
         print(json.dumps({name: runs[name]}), flush=True)
-    summary = {"ceiling_frames_per_s": ceiling}
+    summary: dict = {"ceiling_frames_per_s": ceiling}
     for name, r in runs.items():
-        best = ceiling["atari_best" if name.startswith("atari") else "cartpole_best"]
-        summary[name] = {
-            "frames_per_s": round(r["frames_per_s"]),
-            "of_best_path": round(r["frames_per_s"] / best, 3),
-            "decoded_mb_per_s": round(r["decoded_mb_per_s"]),
-            "latency_p50_ms": r["latency_p50_ms"],
-            "latency_p99_ms": r["latency_p99_ms"],
-            "loop_lag_p99_ms": r["loop_lag_p99_ms"],
-            "stages_us_per_traj": {k: round(v * 1e6, 1) for k, v in r["stages"].items()},
-        }
+        best = None if ceiling is None else ceiling["atari_best" if name.startswith("atari") else "cartpole_best"]
+        summary[name] = row_summary(r, best)
     for obs in ("atari", "cartpole"):
-        if f"{obs}_4x16" in runs:
+        if f"{obs}_4x16" in runs and f"{obs}_64x16" in runs:
             ratio = runs[f"{obs}_64x16"]["frames_per_s"] / runs[f"{obs}_4x16"]["frames_per_s"]
             summary[f"{obs}_64_vs_4"] = round(ratio, 3)
-    print(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
     return 0
 
 

@@ -7,6 +7,7 @@ lag in versions) per run. Data in flight between the encoding of a difficulty an
 with it is what this measures: socket buffers, queues, the ring, unrolls under way.
 
     python tools/curriculum_lag.py --runs 5
+    python tools/curriculum_lag.py --logdir DIR   # the smallest: measure a run already made (test_curriculum's)
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def steps_at(difficulty: float) -> float:
     return (difficulty - 0.5) / 1.5 * N_STEPS
 
 
-def one_run() -> tuple[int, int]:
+def one_run() -> Path:
+    """The test's two CLI phases: a run stopped at 3,000 env steps, resumed to the ramp's end and 2,100 past it."""
     logdir = Path(tempfile.mkdtemp(prefix="curriculum-lag-")) / "run"
     for args, budget in [([*FLAGS, "--logdir", str(logdir)], 3000), (["--resume", str(logdir)], N_STEPS + 2100)]:
         subprocess.run(
@@ -39,6 +41,11 @@ def one_run() -> tuple[int, int]:
             timeout=300,
             check=True,
         )
+    return logdir
+
+
+def lags(logdir: Path) -> tuple[int, int]:
+    """(worst lag in env steps, worst policy lag in versions) over the run's metrics records past its start."""
     worst, lag = 0.0, 0
     for line in (logdir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
@@ -53,9 +60,14 @@ def one_run() -> tuple[int, int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--logdir", type=Path, help="measure this run (made with the test's flags) instead of making runs")
     args = p.parse_args()
+    if args.logdir:
+        worst, lag = lags(args.logdir)
+        print(json.dumps({"run": str(args.logdir), "worst_lag_steps": worst, "worst_policy_lag_versions": lag}))
+        return 0
     for i in range(args.runs):
-        worst, lag = one_run()
+        worst, lag = lags(one_run())
         print(json.dumps({"run": i, "worst_lag_steps": worst, "worst_policy_lag_versions": lag}), flush=True)
     return 0
 
