@@ -97,8 +97,8 @@ SMALLEST = {
     ),
     "ceiling": (["--min-s", "0.2", "--json", "--", "--env", "CartPole-v1", "--envs-per-actor", "4"], _ceiling),
     "attack_figures": (["--issue15", "--only", "record_inflation"], _attack_figures),
-    "bench_ingest": (["--limits", "none", "--only", "cartpole_8x1", "--seconds", "1", "--warmup-s", "0.5"],
-                     _bench_ingest),
+    "bench_ingest": (["--limits", "none", "--only", "cartpole_8x1", "--actors", "1", "--seconds", "1", "--warmup-s",
+                      "0.5"], _bench_ingest),
 }  # fmt: skip
 OWN_TEST = {
     "ab": "test_ab.py",

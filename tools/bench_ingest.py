@@ -10,7 +10,7 @@ One script, one run after the other, nothing else running:
 Prints one JSON object per measurement and a summary with the ratios.
 
     python tools/bench_ingest.py [--limits ../shared/bench/limits.py] [--seconds 15]
-    python tools/bench_ingest.py --limits none --only cartpole_8x1 --seconds 1 --warmup-s 0.5   # the smallest (CI)
+    python tools/bench_ingest.py --limits none --only cartpole_8x1 --actors 1 --seconds 1 --warmup-s 0.5  # the smallest
 
 ``--limits none`` measures no ceiling (the summary then has no ratios); ``--only`` runs the named rows alone.
 """
@@ -111,6 +111,7 @@ def main() -> int:
     p.add_argument("--warmup-s", type=float, default=5.0, help="each loadtest run's ignored start")
     p.add_argument("--skip-scaling", action="store_true")
     p.add_argument("--only", default="", help="comma-separated rows to run (default: all)")
+    p.add_argument("--actors", type=int, default=0, help="actors in every row (default 0: each row's own)")
     a = p.parse_args()
     plan = PLAN + ([] if a.skip_scaling else SCALING)
     if a.only:
@@ -123,7 +124,7 @@ def main() -> int:
     print(json.dumps({"limits": ceiling}), flush=True)
     runs = {}
     for name, obs, actors, n, extra in plan:
-        runs[name] = loadtest(obs, actors, n, a.seconds, a.warmup_s, extra)
+        runs[name] = loadtest(obs, a.actors or actors, n, a.seconds, a.warmup_s, extra)
         print(json.dumps({name: runs[name]}), flush=True)
     summary: dict = {"ceiling_frames_per_s": ceiling}
     for name, r in runs.items():
