@@ -397,7 +397,7 @@ def soak_steps(ctx: zmq.Context, listen: str, weights: str, metrics_port: int, s
         sock.send(message_of(view, 256, actor=f"large-{next(ids)}", seq=0))
         seen["accepted"] = seen.get("accepted", 0) + 256
 
-    return [
+    steps = [
         ("fresh_ids", fresh_ids),
         ("large_message", large),
         ("record_inflation", inflated),
@@ -408,6 +408,12 @@ def soak_steps(ctx: zmq.Context, listen: str, weights: str, metrics_port: int, s
         ("slow_connections", slow_connections),
         ("ended_episodes", ended_episodes),
     ]
+    assert tuple(name for name, _ in steps) == SOAK_STEPS
+    return steps
+
+
+SOAK_STEPS = ("fresh_ids", "large_message", "record_inflation", "claimed_drops", "idle_subscribers", "credit_bypass",
+              "health_starvation", "slow_connections", "ended_episodes")  # fmt: skip
 
 
 KINDS = ("fresh_ids", "large_message", "record_inflation", "claimed_drops", "jpeg_flood", "startup_and_files")

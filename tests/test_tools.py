@@ -72,6 +72,14 @@ def _ceiling(r):
     assert r["ceiling_before"]["ceiling_agent_steps_per_s"] > 0 and r["ceiling_before"]["learn_us"] > 0, r
 
 
+def _soak(r):
+    assert r["ok"] and r["exit_code"] == 0 and not r["attacks_not_run"], r
+    assert set(r["attacks"]) == {"tree", "health_starvation"}, r  # the two asked for, without an error
+    assert r["actors_killed"] >= 1 and r["actor_restarts"] >= 1, r  # the chaos ran, and actors came back
+    assert r["garbage_sent"] > 0 and r["messages_rejected"] > 0 and r["rejected_by_reason"], r
+    assert r["issue15"]["health_probes"] and r["hostile_checkpoints"]["resumed_from_good"], r
+
+
 SMALLEST = {
     "code_shape": (["--json"], _code_shape),
     "actor_start": (["--repeats", "1", "--json"], _actor_start),
@@ -99,6 +107,10 @@ SMALLEST = {
     "attack_figures": (["--issue15", "--only", "record_inflation"], _attack_figures),
     "bench_ingest": (["--limits", "none", "--only", "cartpole_8x1", "--actors", "1", "--seconds", "1", "--warmup-s",
                       "0.5"], _bench_ingest),
+    "soak": (["--seconds", "12", "--warmup-s", "3", "--baseline-s", "2", "--kill-every-s", "3", "--attack-every-s",
+              "0.5", "--attacks", "tree,health_starvation", "--checkpoint-interval-s", "3", "--report-interval-s",
+              "0.5", "--rss-window-s", "3", "--max-rss-growth-mib", "200", "--tmpfs-logdir-mib", "0", "--garbage-per-s",
+              "20", "--actor-max-env-steps-per-s", "1000", "--json"], _soak),
 }  # fmt: skip
 OWN_TEST = {
     "ab": "test_ab.py",
@@ -111,8 +123,6 @@ OWN_TEST = {
 }
 NOT_RUN = {
     "compare_sample_factory": "needs Sample Factory's own virtual environment (.venv-sf)",
-    "soak": "ten minutes on a tmpfs it mounts; its attack steps are test_misleading's, test_health_attacks' and "
-    "test_disk_faults' (BENCHMARKS.md, section 18)",
 }
 NEEDS = {"bench_jpeg": ("simplejpeg", "ale_py"), "jpeg_rho": ("simplejpeg", "ale_py")}
 
