@@ -87,7 +87,10 @@ def tool(name: str):
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    tools = Path(__file__).resolve().parent.parent / "tools"
+    if str(tools) not in sys.path:
+        sys.path.append(str(tools))  # as where the script runs: its own folder first on the path, for its imports
+    path = tools / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the file runs

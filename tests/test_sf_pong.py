@@ -7,6 +7,7 @@ from __future__ import annotations
 from helpers import tool
 
 sf_pong = tool("sf_pong")
+compare = tool("compare_sample_factory")
 
 LINES = [
     "\x1b[36m[2026-12-03 14:50:06,294][09488] Fps is (10 sec: nan, 60 sec: nan, 300 sec: nan). Total num frames: 0. "
@@ -26,3 +27,11 @@ def test_frames_become_agent_steps_and_the_return_is_carried():
     assert records[1] == {"env_steps": 1024, "episode_return_mean": None}, "4,096 frames are 1,024 agent steps"
     assert records[2] == {"env_steps": 1024, "episode_return_mean": -20.417}
     assert records[3] is None, "a line that reports neither"
+
+
+def test_the_cartpole_comparison_reads_the_same_lines():
+    """tools/compare_sample_factory.py's Sample Factory half (its venv is not CI's): the rate of the last 10 s and the
+    frames from the progress line, the return from the reward line sf_pong reads."""
+    assert compare.FPS.search(LINES[1]).groups() == ("409.6", "164.0", "164.0", "4096")
+    assert compare.FPS.search(LINES[0]).group(1) == "nan", "the first report has no rate yet: skipped by the reader"
+    assert compare.REWARD.search(LINES[2]).group(1) == "-20.417"

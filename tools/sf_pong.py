@@ -58,6 +58,16 @@ def parse(line: str, state: dict) -> dict | None:
     return None
 
 
+def stop_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGINT to Sample Factory's process group (it saves and ends its workers), SIGKILL after timeout_s."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def run_sample_factory(
     sf_python: str, out: Path, seed: int, target: float, timeout_s: float, extra: tuple[str, ...] = ()
 ) -> dict:
@@ -83,12 +93,7 @@ def run_sample_factory(
                     hit = {"wall_s": now, "env_steps": rec["env_steps"]}
             if hit is not None or now > timeout_s:
                 break
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    stop_group(proc)
     return {"system": "sample-factory", "reached": hit, "wall_s": round(time.monotonic() - t0, 1), **state}
 
 
