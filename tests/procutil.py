@@ -128,9 +128,14 @@ def _argv(script, args, python=None) -> list[str]:
 def _forkable(env: dict) -> bool:
     if os.environ.get("IMPALA_ASYNC_TEST_FORK", "1") == "0":
         return False
+    return not import_time_differences(env)
+
+
+def import_time_differences(env: dict) -> dict[str, tuple]:
+    """{variable: (env's value, the fork server's)} for the variables read at import where they differ."""
     imported = forkserver.client().env  # what the server's modules were imported under (not this worker's now)
     keys = {k for k in (*env, *imported) if k.startswith(_IMPORT_TIME) and k != "PYTHONUNBUFFERED"}
-    return all(env.get(k) == imported.get(k) for k in keys)
+    return {k: (env.get(k), imported.get(k)) for k in sorted(keys) if env.get(k) != imported.get(k)}
 
 
 def read_metrics(logdir: Path) -> list[dict]:

@@ -96,6 +96,7 @@ def test_a_variable_read_at_import_is_compared_with_the_servers_not_the_workers(
 
     if os.environ.get("IMPALA_ASYNC_TEST_FORK", "1") == "0":
         pytest.skip("IMPALA_ASYNC_TEST_FORK=0: no fork server")
-    assert procutil._forkable(dict(os.environ))  # starts the server (if not yet) under this environment
+    differences = procutil.import_time_differences(dict(os.environ))  # starts the server (if not yet)
+    assert not differences, f"this worker's environment changed since its fork server started: {differences}"
     monkeypatch.setenv("IMPALA_ASYNC_METRICS_HOST", "127.0.0.2")  # read at import: a config default
     assert not procutil._forkable(dict(os.environ))
