@@ -1,6 +1,8 @@
 import compileall
+import getpass
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import forkserver
@@ -20,6 +22,13 @@ compileall.compile_dir(Path(impala_async.__file__).parent, quiet=1)
 # own, so a shared default would make them collide (tests that want a metrics port pass --metrics-port themselves).
 for _name in ("IMPALA_ASYNC_METRICS_PORT", "IMPALA_ASYNC_METRICS_HOST"):
     os.environ.pop(_name, None)
+
+# torch writes its inductor cache's folder into os.environ the first time it looks it up (a learner's first update
+# does, as test_assembly's does in this process). Unpinned, the worker's environment then differs from its fork
+# server's in a variable read at import, and every later process of that worker paid a fresh interpreter
+# (tests/procutil.py, _forkable). Pinned here to torch's own default, before any fork server starts.
+_INDUCTOR_DEFAULT = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_DEFAULT)
 
 
 @pytest.fixture
