@@ -94,6 +94,38 @@ def test_a_dotted_arm_name_is_refused_not_run_as_a_nested_flag(tmp_path):
     assert ab.command(exp, "entropy-0.0006", 0, tmp_path)[-8:-6] == ["--entropy-cost", "0.0006"]
 
 
+def test_what_train_would_refuse_is_found_before_any_run(tmp_path):
+    """An arm's unknown flag or out-of-range value, by train's own parser and configuration, every arm at once: a
+    typo in the fourth arm of an A/B would otherwise surface hours in, when that arm's first run starts."""
+    path = write_experiment(tmp_path / "e.toml")
+    path.write_text(path.read_text() + "[arms.typo]\nentropy_cots = 0.01\n[arms.negative]\nentropy_cost = -1\n")
+    exp = ab.Experiment.load(path)
+    found = ab.problems(exp, tmp_path)
+    assert len(found) == 2, found
+    assert found[0] == "arm 'typo': train has no --entropy-cots", found
+    assert found[1].startswith("arm 'negative': ") and "entropy_cost must be a finite number >= 0" in found[1], found
+    assert ab.main([str(path), "--dry-run", "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists(), "nothing run, nothing made"
+
+
+def test_sigint_stops_the_harness_even_where_its_shell_ignored_it(tmp_path):
+    """`python tools/ab.py ... &` in a script starts it with SIGINT ignored; `kill -INT` must still stop it."""
+    before, before_term = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.getsignal(signal.SIGTERM)
+    try:
+        assert ab.main([str(write_experiment(tmp_path / "e.toml")), "--dry-run", "--out", str(tmp_path)]) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+        signal.signal(signal.SIGTERM, before_term)
+
+
+@pytest.mark.parametrize("path", sorted((TOOL.parent / "experiments").glob("*.toml")), ids=lambda p: p.stem)
+def test_every_experiment_file_in_the_tree_is_one_train_accepts(path, tmp_path):
+    exp = ab.Experiment.load(path)
+    assert ab.problems(exp, tmp_path) == []
+
+
 def test_layers_become_the_command_line_in_order(tmp_path):
     (tmp_path / "base.toml").write_text("batch_size = 8\n")
     exp = ab.Experiment.load(write_experiment(tmp_path / "e.toml", config="base.toml"))

@@ -24,6 +24,8 @@ EXPERIMENT.toml names the arms and what they share (the configuration layers of 
     [arms."entropy-0.003"]              # a name with a dot is quoted (bare, TOML would nest a table "003")
     entropy_cost = 0.003
 
+Before any run, every arm's command line goes through train's own parser and configuration: an unknown flag or a
+value train refuses stops the harness at once, one line an arm (exit 2; ``--dry-run`` checks and prints the commands).
 Runs go one at a time (``--parallel 2`` runs two at once, for runs that each leave a core idle); seed by seed, the arms
 alternating, so that a stopped experiment leaves every arm with as many seeds as the others. A run whose directory
 holds ``ab-run.json`` is finished and is not run again (one stopped by ``timeout_s`` too: delete its ``ab-run.json``
@@ -163,6 +165,25 @@ def command(exp: Experiment, arm: str, seed: int, logdir: Path) -> list[str]:
         cmd += ["--config", str(exp.config)]
     cmd += as_flags(exp.flags) + as_flags(exp.arms[arm])
     return cmd + ["--total-env-steps", str(exp.total_env_steps), "--seed", str(seed), "--logdir", str(logdir)]
+
+
+def problems(exp: Experiment, out: Path) -> list[str]:
+    """What `train` would refuse in each arm's command line (an unknown flag, a value out of range), found by its own
+    parser and configuration before any run starts: one line an arm, all of them at once."""
+    from impala_async import cli
+
+    found = []
+    for arm in exp.arms:
+        argv = command(exp, arm, exp.seeds[0], out / arm / f"s{exp.seeds[0]}")[3:]
+        args, unknown = cli.build_parser().parse_known_args(argv)
+        if unknown:
+            found.append(f"arm {arm!r}: train has no {' '.join(a for a in unknown if a.startswith('--'))}")
+            continue
+        try:
+            cli.load_learner_config(args)
+        except SystemExit as e:  # a value train refuses: its one line
+            found.append(f"arm {arm!r}: {e}")
+    return found
 
 
 def planned(exp: Experiment, out: Path, twins: bool = False) -> list[tuple[str, int, Path]]:
@@ -431,7 +452,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("runs/ab"), help="where experiments' runs go (default: runs/ab)")
     p.add_argument("--parallel", type=int, default=1, choices=(1, 2), help="runs at once (default: 1)")
     p.add_argument("--report", action="store_true", help="only the table and the figure of the runs done")
-    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--dry-run", action="store_true", help="check and print the commands, run nothing")
     args = p.parse_args(argv)
     try:
         exp = Experiment.load(args.experiment)
@@ -439,7 +460,13 @@ def main(argv=None) -> int:
         print(f"ab: {e}", file=sys.stderr)
         return 2
     out = args.out / exp.name
+    refused = [] if args.report else problems(exp, out)
+    if refused:
+        print(f"ab: {args.experiment}: " + "; ".join(refused), file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped by a supervisor: its runs stop, resumable
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also where a shell started it in the background, SIGINT
+    # ignored (as `cmd &` leaves it in a script): `kill -INT` stops it as Ctrl-C does
     if args.dry_run:
         for arm, seed, logdir in planned(exp, out):
             print(" ".join(command(exp, arm, seed, logdir)))
