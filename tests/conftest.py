@@ -31,6 +31,19 @@ _INDUCTOR_DEFAULT = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _INDUCTOR_DEFAULT)
 
 
+@pytest.fixture(autouse=True)
+def _import_time_environment_kept():
+    """A test that leaves a variable read at import changed in this worker's environment (torch writing one as it
+    runs, a test setting one without monkeypatch) would send every later process of the worker through a fresh
+    interpreter, silently (tests/procutil.py, _forkable): that test fails here instead, naming the variable."""
+    yield
+    if forkserver.started():  # the server's environment is the reference once there is one
+        import procutil
+
+        differences = procutil.import_time_differences(dict(os.environ))
+        assert not differences, f"this test left the environment's import-time variables changed: {differences}"
+
+
 @pytest.fixture
 def cartpole_spec():
     return TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)

@@ -180,6 +180,11 @@ _client: list[Client] = []
 _client_lock = threading.Lock()
 
 
+def started() -> bool:
+    """Whether this process's server has started (without starting it)."""
+    return bool(_client)
+
+
 def client() -> Client:
     """This process's server, started on first use and ended at exit."""
     with _client_lock:
