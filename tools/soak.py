@@ -29,7 +29,7 @@ and a stride-0 tensor as the two newest checkpoints sets both aside and loads th
     python tools/soak.py --seconds 600 --json
 
 --attacks picks some of the heavier attacks (the checks of the others' findings are then left out): CI's smallest mode
-(tests/test_tools.py) runs two of them for 20 seconds against capped actors, a smoke of every part but the attacks.
+(tests/test_tools.py) runs two of them for 12 seconds against capped actors, a smoke of every part but the attacks.
 """
 
 from __future__ import annotations
