@@ -71,6 +71,22 @@ def test_figures_of_one_run(tmp_path):
 
 
 @pytest.mark.process
+def test_the_threshold_is_read_from_what_was_appended_since_the_last_poll(tmp_path):
+    """The harness polls every second; it reads only what the run appended since (whole lines), not the whole file."""
+    path = tmp_path / "metrics.jsonl"
+    tail = ab.MetricsTail(path)
+    assert tail.new_records() == []  # no file yet
+    path.write_text('{"episode_return_mean": 1.0}\n{"episode_return_mean": 2')  # the second line still being written
+    assert tail.new_records() == [{"episode_return_mean": 1.0}]
+    with open(path, "a") as f:
+        f.write("0.0}\n")
+    records = tail.new_records()
+    assert records == [{"episode_return_mean": 20.0}] and ab.reached(records, 18.0)
+    assert tail.new_records() == []  # nothing new, nothing read again
+    assert not ab.reached([{"episode_return_mean": None}, {"episode_return_mean": 17.9}], 18.0)
+    assert not ab.reached(records, None)
+
+
 def test_every_problem_of_an_experiment_file_is_reported_at_once(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\nseeds = []\ncheckpoints = [1.5]\nstop_at_threshold = true\ncolour = "red"\n')
