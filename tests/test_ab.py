@@ -70,7 +70,6 @@ def test_figures_of_one_run(tmp_path):
     assert short["at"] == [None] and short["steps_to_threshold"] is None, "a run never got to 1500 steps or 15"
 
 
-@pytest.mark.process
 def test_the_threshold_is_read_from_what_was_appended_since_the_last_poll(tmp_path):
     """The harness polls every second; it reads only what the run appended since (whole lines), not the whole file."""
     path = tmp_path / "metrics.jsonl"
@@ -87,6 +86,7 @@ def test_the_threshold_is_read_from_what_was_appended_since_the_last_poll(tmp_pa
     assert not ab.reached(records, None)
 
 
+@pytest.mark.process
 def test_every_problem_of_an_experiment_file_is_reported_at_once(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "x"\nseeds = []\ncheckpoints = [1.5]\nstop_at_threshold = true\ncolour = "red"\n')
