@@ -61,7 +61,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from impala_async.learner.reports.metrics import read_metrics
+from impala_async.learner.reports.metrics import parse_records, read_metrics
 
 try:
     import tomllib
@@ -222,13 +222,7 @@ class MetricsTail:
             return []
         whole = data[: data.rfind(b"\n") + 1]
         self.offset += len(whole)
-        records = []
-        for line in whole.splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-        return records
+        return parse_records(whole)
 
 
 def reached(records: list[dict], threshold: float | None) -> bool:

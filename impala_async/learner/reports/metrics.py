@@ -249,8 +249,13 @@ def read_metrics(path: Path | None) -> list[dict]:
     """The records of a metrics.jsonl file, oldest first; a line still being written is skipped."""
     if path is None or not Path(path).exists():
         return []
+    return parse_records(Path(path).read_bytes())
+
+
+def parse_records(data: bytes) -> list[dict]:
+    """The records of metrics.jsonl lines; a line that does not parse (one still being written) is skipped."""
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for line in data.splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
