@@ -1,5 +1,6 @@
-"""tools/ab.py, the A/B harness: its figures against metrics written by hand, and the real tool driving real `train`
-runs (tiny CartPole arms), resumable and with its table checked against the runs' own metrics."""
+"""tools/ab.py, the A/B harness, and its parts tools/ab_experiment.py and tools/ab_report.py: its figures against
+metrics written by hand, and the real tool driving real `train` runs (tiny CartPole arms), resumable and with its
+table checked against the runs' own metrics."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import tool
@@ -17,6 +19,7 @@ from impala_async.learner.reports.metrics import read_metrics
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "ab.py"
 ab = tool("ab")
+ab_report = tool("ab_report")
 
 TINY = {
     "env": "CartPole-v1",
@@ -61,12 +64,12 @@ def fake_run(logdir: Path, returns: list[float | None], steps_each: int = 100, w
 def test_figures_of_one_run(tmp_path):
     exp = ab.Experiment.load(write_experiment(tmp_path / "e.toml"))  # budget 3000, checkpoint at 1500, threshold 15
     returns = [None, 5.0, 10.0, 16.0, 12.0] + [20.0] * 25  # 30 reports of 100 steps: 3000 steps
-    figures = ab.run_figures(exp, fake_run(tmp_path / "r", returns))
+    figures = ab_report.run_figures(exp, fake_run(tmp_path / "r", returns))
     assert figures["final"] == 20.0
     assert figures["at"] == [20.0], "the last report at or before 1500 steps (the 15th)"
     assert figures["steps_to_threshold"] == 400 and figures["wall_to_threshold_s"] == 8.0, "the first >= 15"
     assert figures["env_steps_per_s"] == pytest.approx(3000 / 60)
-    short = ab.run_figures(exp, fake_run(tmp_path / "short", [1.0] * 10))  # stopped at 1000 steps
+    short = ab_report.run_figures(exp, fake_run(tmp_path / "short", [1.0] * 10))  # stopped at 1000 steps
     assert short["at"] == [None] and short["steps_to_threshold"] is None, "a run never got to 1500 steps or 15"
 
 
@@ -136,6 +139,36 @@ def test_sigint_stops_the_harness_even_where_its_shell_ignored_it(tmp_path):
         signal.signal(signal.SIGTERM, before_term)
 
 
+def test_arms_and_seeds_run_only_those_of_the_file(tmp_path, capsys):
+    """``--arms``/``--seeds``: a long experiment shared out between sessions, without a cut-down copy of its file; a
+    name the file lacks is refused with what it has (a copy would run it silently, outside the table)."""
+    path, out = write_experiment(tmp_path / "e.toml", seeds=(0, 1, 2)), tmp_path / "out"
+    assert ab.main([str(path), "--dry-run", "--out", str(out), "--arms", "slow", "--seeds", "2,0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [(line.split("--seed ")[1].split()[0], line.split("--logdir ")[1]) for line in lines] == [
+        ("2", str(out / "tiny" / "slow" / "s2")),
+        ("0", str(out / "tiny" / "slow" / "s0")),
+    ]
+    assert all("--learning-rate 0.0001" in line for line in lines)
+    assert ab.main([str(path), "--dry-run", "--out", str(out), "--arms", "slow,quick", "--seeds", "3"]) == 2
+    said = capsys.readouterr().err
+    assert "no arm 'quick' (the file's arms: fast, slow)" in said and "no seed 3 (the file's seeds: 0, 1, 2)" in said
+    assert ab.main([str(path), "--dry-run", "--out", str(out), "--seeds", "one"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_timeout_counts_the_training_time_carried_across_a_resume(tmp_path):
+    """A run of ``timeout_s = 9000`` resumed after 7,000 s of training gets 2,000 s more, not 9,000 (the poll's own
+    decision, on a stand-in for the Run: its process plays no part in it)."""
+    path = write_experiment(tmp_path / "e.toml", timeout_s=9000)
+    exp = ab.Experiment.load(path)
+    resumed = SimpleNamespace(exp=exp, carried_s=7000.0, started=100.0, metrics=None)
+    assert ab.Run.why_stop(resumed, now=100.0 + 1999) == ""
+    assert ab.Run.why_stop(resumed, now=100.0 + 2001) == "timeout_s 9000"
+    fresh = SimpleNamespace(exp=exp, carried_s=0.0, started=100.0, metrics=None)
+    assert ab.Run.why_stop(fresh, now=100.0 + 8999) == "" and ab.Run.why_stop(fresh, now=100.0 + 9001)
+
+
 @pytest.mark.parametrize("path", sorted((TOOL.parent / "experiments").glob("*.toml")), ids=lambda p: p.stem)
 def test_every_experiment_file_in_the_tree_is_one_train_accepts(path, tmp_path):
     exp = ab.Experiment.load(path)
@@ -158,10 +191,10 @@ def test_the_table_gives_median_and_range_over_each_arms_seeds(tmp_path):
     finals = {("fast", 0): 20.0, ("fast", 1): 30.0, ("slow", 0): 4.0}  # slow seed 1 not run yet
     for (arm, seed), final in finals.items():
         fake_run(out / arm / f"s{seed}", [None] + [final] * 29)
-    summary = ab.summarise(exp, out)
+    summary = ab_report.summarise(exp, out)
     assert summary["fast"]["final"] == {"median": 25.0, "min": 20.0, "max": 30.0, "n": 2}
     assert summary["fast"]["steps_to_threshold"]["n"] == 2 and summary["slow"]["steps_to_threshold"]["n"] == 0
-    text = ab.table(exp, summary)
+    text = ab_report.table(exp, summary)
     assert "| fast | 2 | 25.0 [20.0, 30.0] | 25.0 [20.0, 30.0] | 0.00 [0.00, 0.00] (2/2)" in text, text
     assert "| slow | 1 | 4.0 | 4.0 | - (0/1)" in text, text
 
@@ -224,6 +257,8 @@ def test_a_run_cut_short_resumes_from_its_checkpoint(tmp_path):
     first_rows = read_metrics(logdir / "metrics.jsonl")
     cut_at = max(r["env_steps"] for r in first_rows)
     assert 0 < cut_at < 30_000, "stopped mid-run"
+    carried_s = ab.carried_training_s(logdir)  # what timeout_s counts from on the resume: the newest checkpoint's
+    assert 0 < carried_s <= max(r["wall_s"] for r in first_rows), (carried_s, first_rows[-1])
 
     again = run_cli(*args, script=TOOL, timeout=300)
     assert again.returncode == 0 and "resumed from its newest checkpoint (resume 1)" in again.stdout, again.stdout

@@ -121,6 +121,8 @@ SMALLEST = {
 }  # fmt: skip
 OWN_TEST = {
     "ab": "test_ab.py",
+    "ab_experiment": "test_ab.py",
+    "ab_report": "test_ab.py",
     "curriculum_lag": "test_curriculum.py",
     "fuzz_decoder": "test_fuzz.py",
     "k8s_render": "test_deploy.py",
