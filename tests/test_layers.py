@@ -76,6 +76,7 @@ def test_a_file_and_the_flags_typed_beside_it(tmp_path):
         ('batch_size = "8"\n', "batch_size must be an integer"),
         ("[loss]\nring_batches = 4\n", "ring_batches belongs to section [ring], not [loss]"),
         ("batch_size = 0\n", "batch_size must be >= 1"),
+        ("entropy_schedule_env_steps = -1\n", "entropy_schedule_env_steps must be >= 0"),
         ("batch_size = \n", "not valid TOML"),
     ],
 )

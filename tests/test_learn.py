@@ -224,6 +224,24 @@ def test_the_update_takes_a_second_thread_for_images_only():
     assert threads(3, 1.0, (10, 10, 4)) == (3, "flag")
 
 
+def test_entropy_anneal_takes_its_own_horizon_when_given_one():
+    """``entropy_schedule_env_steps`` moves the entropy cost's anneal alone: the learning rate keeps
+    ``schedule_env_steps``, and 0 (the default) leaves the entropy cost on that horizon too."""
+    spec = _spec("CartPole-v1")
+    kw = dict(learning_rate=6e-4, entropy_cost=0.01, final_entropy_cost=0.0006, schedule_env_steps=50_000_000)
+    own, shared = (_learner(spec, entropy_schedule_env_steps=n, **kw) for n in (5_000_000, 0))
+    for trained, entropy_own, entropy_shared in (
+        (0, 0.01, 0.01),
+        (2_500_000, 0.0053, 0.01 - 0.0094 * 0.05),
+        (5_000_000, 0.0006, 0.01 - 0.0094 * 0.1),
+        (20_000_000, 0.0006, 0.01 - 0.0094 * 0.4),
+    ):
+        own.env_steps_trained = shared.env_steps_trained = trained
+        assert own.entropy_cost() == pytest.approx(entropy_own)
+        assert shared.entropy_cost() == pytest.approx(entropy_shared)
+        assert own.learning_rate() == shared.learning_rate() == pytest.approx(6e-4 * (1 - trained / 50_000_000))
+
+
 def test_schedules_follow_their_own_horizon_not_the_budget():
     """A user who stops at 5M or at 50M gets the same learning rate and entropy cost at step 4M: the linear schedules
     run over ``schedule_env_steps``, and ``total_env_steps`` does not enter them."""

@@ -261,7 +261,8 @@ class Loss(Section):
     schedule_env_steps: int = opt(
         1_000_000,
         "horizon of the linear schedules, independent of total_env_steps: the learning rate (lr_schedule linear) "
-        "reaches 0 and the entropy cost final_entropy_cost at this many env steps trained",
+        "reaches 0 at this many env steps trained, and the entropy cost final_entropy_cost unless "
+        "entropy_schedule_env_steps says otherwise",
     )
     adam_eps: float = opt(1e-5, "Adam epsilon, on the loss's mean over the batch (CleanRL's 1e-5)")
     rmsprop_alpha: float = opt(0.99, "RMSprop smoothing constant")
@@ -285,8 +286,13 @@ class Loss(Section):
     entropy_cost: float = opt(0.001, "weight of the entropy bonus")
     final_entropy_cost: float = opt(
         -1.0,
-        "anneal the entropy bonus linearly from entropy_cost to this at "
-        "schedule_env_steps (-1: no annealing, entropy_cost throughout)",
+        "anneal the entropy bonus linearly from entropy_cost to this at entropy_schedule_env_steps, and hold it "
+        "there (-1: no annealing, entropy_cost throughout)",
+    )
+    entropy_schedule_env_steps: int = opt(
+        0,
+        "horizon of final_entropy_cost's anneal in env steps trained, independent of total_env_steps "
+        "(0: schedule_env_steps, the learning rate's)",
     )
     baseline_cost: float = opt(0.5, "weight of the baseline (value) loss")
     reward_clip: float = opt(0.0, "clip rewards to [-x, x] before learning (0: no clipping)")
@@ -312,6 +318,7 @@ class Loss(Section):
     def check(self) -> None:
         super().check()
         at_least(self, 1, "batch_size", "updates_per_batch", "schedule_env_steps")
+        at_least(self, 0, "entropy_schedule_env_steps")
         need(
             self.precision in ("fp32", "bf16"),
             f"precision must be fp32 or bf16, got {self.precision!r} (fp16 would "

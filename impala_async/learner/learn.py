@@ -150,7 +150,7 @@ class Learner:
         }
 
     def schedule_progress(self) -> float:
-        """How far training is along the linear schedules' horizon, ``schedule_env_steps``: 0 to 1 (and 1 after it),
+        """How far training is along the learning rate's horizon, ``schedule_env_steps``: 0 to 1 (and 1 after it),
         the same at a given step whatever the run's budget (``total_env_steps``)."""
         return min(1.0, self.env_steps_trained / self.hp.schedule_env_steps)
 
@@ -160,11 +160,14 @@ class Learner:
         return self.hp.learning_rate * (1.0 - self.schedule_progress())
 
     def entropy_cost(self) -> float:
-        """``entropy_cost``, or with ``final_entropy_cost`` >= 0 linearly from it to that at ``schedule_env_steps``."""
+        """``entropy_cost``, or with ``final_entropy_cost`` >= 0 linearly from it to that at
+        ``entropy_schedule_env_steps`` env steps trained (0: at ``schedule_env_steps``), and that after."""
         hp = self.hp
         if hp.final_entropy_cost < 0:
             return hp.entropy_cost
-        return hp.entropy_cost + (hp.final_entropy_cost - hp.entropy_cost) * self.schedule_progress()
+        horizon = hp.entropy_schedule_env_steps or hp.schedule_env_steps
+        progress = min(1.0, self.env_steps_trained / horizon)
+        return hp.entropy_cost + (hp.final_entropy_cost - hp.entropy_cost) * progress
 
     def step(self, batch: dict[str, torch.Tensor], *, count_steps: bool = True) -> dict:
         """One update from a ring batch of ``B`` trajectories (loss.inputs says its layout); ``count_steps=False``
