@@ -271,6 +271,21 @@ def test_a_linear_rate_that_would_reach_zero_before_the_budget_is_warned_of():
             LearnerConfig.of(**bad).check()
 
 
+def test_value_fc_is_built_from_the_configuration_and_trained():
+    """--value-fc 1 reaches the network (run.model says so, for the actors) and an update moves both fully connected
+    layers; with an LSTM core or an MLP it is refused by the configuration."""
+    spec = TrajectorySpec(obs_shape=(4, 10, 10), obs_dtype="uint8", num_actions=3, unroll_length=5)
+    learner = _learner(spec, model="minatar", value_fc=1)
+    assert learner.model_config.to_dict()["value_fc"] is True
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    assert not learner.step(_batch(spec))["skipped"]
+    for name in ("fc.0.weight", "value_fc.0.weight", "torso.0.weight"):
+        assert not torch.equal(learner.model.state_dict()[name], before[name]), name
+    for bad, why in (({"use_lstm": 1}, "without an LSTM core"), ({"model": "mlp"}, "needs an image network")):
+        with pytest.raises(ValueError, match=why):
+            LearnerConfig.of(value_fc=1, **bad).check()
+
+
 def test_obs_norm_folds_each_batch_in_once_with_the_moments_numpy_gives():
     """--obs-norm 1: the learner keeps per-pixel running moments of its scaled inputs (nets.ObsNorm), updated by a
     batch's first update only, after it (a batch is normalised as its actor normalised it; ``updates_per_batch``'

@@ -62,15 +62,31 @@ def test_minatar_network_is_the_papers():
     assert sum(p.numel() for p in net.parameters()) == conv3(4, 16) + (1024 * 128 + 128) + (128 * 3 + 3) + 129
 
 
-def test_auto_picks_by_image_size_and_the_lstm_and_obs_norm_need_images():
+def test_auto_picks_by_image_size_and_the_lstm_obs_norm_and_value_fc_need_images():
     assert ModelConfig().resolved(ATARI).conv_layers[0] == (32, 8, 4, 0)  # Nature
     assert ModelConfig().resolved(MINATAR).conv_layers == ((16, 3, 1, 0),)
     vector = TrajectorySpec(obs_shape=(4,), obs_dtype="float32", num_actions=2, unroll_length=5)
     assert ModelConfig().resolved(vector).kind == "mlp"
-    for request in (ModelConfig(lstm_size=8), ModelConfig(obs_norm=True)):
-        with pytest.raises(ValueError, match="LSTM core or obs_norm needs an image network"):
+    for request in (ModelConfig(lstm_size=8), ModelConfig(obs_norm=True), ModelConfig(value_fc=True)):
+        with pytest.raises(ValueError, match="LSTM core, obs_norm or value_fc needs an image network"):
             request.resolved(vector)
     assert ModelConfig(obs_norm=True).resolved(ATARI).obs_norm and ModelConfig(obs_norm=True).resolved(MINATAR).obs_norm
+    assert ModelConfig(value_fc=True).resolved(MINATAR) == ModelConfig.minatar(1 / 255, value_fc=True)
+    with pytest.raises(ValueError, match="value_fc needs a network without an LSTM core"):
+        ModelConfig(value_fc=True, lstm_size=8)
+
+
+def test_value_fc_leaves_the_policy_untouched_by_the_value_loss():
+    """With value_fc the value head reads its own fully connected layer: the value loss's gradient reaches the shared
+    convolutions and value_fc but not the policy's fc or head; without it, it reaches fc too."""
+    for value_fc, fc_moved in ((True, False), (False, True)):
+        torch.manual_seed(0)
+        net = build_model(MINATAR, ModelConfig.minatar(value_fc=value_fc))
+        obs = torch.randint(0, 2, (5, *MINATAR.obs_shape), dtype=torch.uint8)
+        net(obs)[1].square().sum().backward()
+        grads = {name: p.grad is not None and p.grad.abs().sum().item() > 0 for name, p in net.named_parameters()}
+        assert grads["torso.0.weight"] and not grads["policy_head.weight"]
+        assert grads["fc.0.weight"] == fc_moved and grads.get("value_fc.0.weight", False) == value_fc
 
 
 def test_unroll_equals_stepping_and_resets_at_episode_starts():

@@ -80,6 +80,8 @@ def expected_shapes(model: dict, obs_shape, num_actions: int) -> dict[str, tuple
             c, H, W = ch, (H - 1) // 2 + 1, (W - 1) // 2 + 1
         width = model["fc_size"]
         out["fc.0.weight"], out["fc.0.bias"] = (width, c * H * W), (width,)
+        if model.get("value_fc"):
+            out["value_fc.0.weight"], out["value_fc.0.bias"] = (width, c * H * W), (width,)
     else:
         c, H, W = obs_shape
         out = {}
@@ -88,6 +90,8 @@ def expected_shapes(model: dict, obs_shape, num_actions: int) -> dict[str, tuple
             c, H, W = o, (H + 2 * p - k) // s + 1, (W + 2 * p - k) // s + 1
         width = model["fc_size"]
         out["fc.0.weight"], out["fc.0.bias"] = (width, c * H * W), (width,)
+        if model.get("value_fc"):
+            out["value_fc.0.weight"], out["value_fc.0.bias"] = (width, c * H * W), (width,)
     if model.get("obs_norm"):
         out.update({"obs_norm.mean": tuple(obs_shape), "obs_norm.var": tuple(obs_shape), "obs_norm.count": (1,)})
     L = model.get("lstm_size", 0)
@@ -181,10 +185,18 @@ def forward(model: dict, t: dict, obs: np.ndarray, mutant: str | None = None, st
             w = w[:, :, ::-1, ::-1] if mutant == "flipped_kernel" else w
             x = act(conv2d(x, w, t[f"torso.{2 * j}.bias"], stride, padding))
         x = (x.transpose(0, 2, 3, 1) if mutant == "flatten_hwc" else x).reshape(n, -1)  # C order: C, H, W
-        p = v = last_act(linear(x, t, "fc.0"))
+        p, v = fully_connected(model, t, x, last_act, mutant)
     else:
         raise ValueError(f"unknown model kind {model['kind']!r}")
     return heads(model, t, p, v, mutant, state)
+
+
+def fully_connected(model, t, x, act, mutant):
+    """fc.0 then the activation for the policy; for the value the same, or with value_fc its own value_fc.0."""
+    p = act(linear(x, t, "fc.0"))
+    if not model.get("value_fc") or mutant == "shared_fc":
+        return p, p
+    return p, act(linear(x, t, "value_fc.0"))
 
 
 def heads(model, t, p, v, mutant, state):
@@ -209,8 +221,8 @@ def deep_forward(model, t, obs, mutant, state):
             y = conv2d(relu(x), t[f"{b}.conv0.weight"], t[f"{b}.conv0.bias"], 1, 1)
             y = conv2d(relu(y), t[f"{b}.conv1.weight"], t[f"{b}.conv1.bias"], 1, 1)
             x = y if mutant == "no_skip" else x + y
-    x = relu(linear(relu(x).reshape(n, -1), t, "fc.0"))
-    return heads(model, t, x, x, mutant, state)
+    p, v = fully_connected(model, t, relu(x).reshape(n, -1), relu, mutant)
+    return heads(model, t, p, v, mutant, state)
 
 
 # ---------------------------------------------------------------------------------- the torch side
@@ -251,11 +263,13 @@ CASES = {
     "deep-small-lstm": _conv((3, 13, 10), 4, {**DEEP, "stages": [[8, 1], [12, 2]], "fc_size": 32, "lstm_size": 16}),
     "conv-small-image-obs-norm": _conv((3, 44, 52), 4, {**NATURE, "obs_norm": True}),
     "deep-small-obs-norm": _conv((3, 13, 10), 4, {**DEEP, "stages": [[8, 1]], "fc_size": 32, "obs_norm": True}),
+    "conv-minatar-value-fc": _conv((4, 10, 10), 3, {**MINATAR, "value_fc": True}),
+    "deep-small-value-fc": _conv((3, 13, 10), 4, {**DEEP, "stages": [[8, 1]], "fc_size": 32, "value_fc": True}),
 }
 MUTANTS = {
     "mlp": ("no_last_activation", "shared_torso"),
-    "conv": ("no_last_activation", "flatten_hwc", "flipped_kernel", "no_input_scale", "no_obs_norm"),
-    "deep": ("relu_before_pool", "pool_unpadded", "no_skip", "no_obs_norm"),
+    "conv": ("no_last_activation", "flatten_hwc", "flipped_kernel", "no_input_scale", "no_obs_norm", "shared_fc"),
+    "deep": ("relu_before_pool", "pool_unpadded", "no_skip", "no_obs_norm", "shared_fc"),
 }
 LSTM_MUTANTS = ("gate_order",)
 
@@ -340,6 +354,7 @@ def test_numpy_forward_from_doc_matches_torch(name):
         for m in MUTANTS[cfg.resolved(spec).kind] + (LSTM_MUTANTS if cfg.resolved(spec).lstm_size else ())
         if not (m == "no_input_scale" and cfg.resolved(spec).input_scale == 1)
         and not (m == "no_obs_norm" and not cfg.resolved(spec).obs_norm)
+        and not (m == "shared_fc" and not cfg.resolved(spec).value_fc)
     ],
 )
 def test_the_check_can_fail(name, mutant):
@@ -401,6 +416,8 @@ def test_from_dict_rebuilds_the_same_network(name):
         ({**NATURE, "input_scale": float("nan")}, "input_scale"),
         ({**NATURE, "obs_norm": 1}, "obs_norm must be true or false"),
         ({"kind": "mlp", "hidden_sizes": [64], "activation": "tanh", "obs_norm": True}, "unknown key.*'obs_norm'"),
+        ({**NATURE, "value_fc": 1}, "value_fc must be true or false"),
+        ({**MINATAR, "value_fc": True, "lstm_size": 8}, "value_fc needs a network without an LSTM core"),
         ([("kind", "mlp")], "must be a map"),
     ],
 )
@@ -414,7 +431,7 @@ def test_a_concrete_kind_takes_only_its_own_fields():
         ModelConfig(kind="mlp", fc_size=256)
     with pytest.raises(ValueError, match="does not use hidden_sizes, activation"):
         ModelConfig(kind="conv", hidden_sizes=(8,), activation="elu")
-    with pytest.raises(ValueError, match="LSTM core or obs_norm needs an image network"):
+    with pytest.raises(ValueError, match="LSTM core, obs_norm or value_fc needs an image network"):
         ModelConfig(kind="mlp", lstm_size=8)
     with pytest.raises(ValueError, match="does not use obs_norm"):
         ModelConfig(kind="mlp", obs_norm=True)

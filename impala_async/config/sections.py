@@ -209,6 +209,12 @@ class Model(Section):
         "the weights), clipped to +-5, as Sample Factory's normalize_input",
         choices=(0, 1),
     )
+    value_fc: int = opt(
+        0,
+        "1: image networks give the value head a fully connected layer of its own beside the policy's, so that "
+        "only the convolutions are shared (not with --use-lstm 1)",
+        choices=(0, 1),
+    )
 
     def check(self) -> None:
         super().check()
@@ -219,9 +225,14 @@ class Model(Section):
             "use_lstm needs an image network: the MLP has two torsos "
             "and no core (choose --model auto, shallow, minatar or deep)",
         )
+        for name in ("obs_norm", "value_fc"):
+            need(
+                not (getattr(self, name) and self.model == "mlp"),
+                f"{name} needs an image network (choose --model auto, shallow, minatar or deep)",
+            )
         need(
-            not (self.obs_norm and self.model == "mlp"),
-            "obs_norm needs an image network (choose --model auto, shallow, minatar or deep)",
+            not (self.value_fc and self.use_lstm),
+            "value_fc needs a network without an LSTM core (the core feeds both heads): choose one",
         )
         try:
             sizes = self.hidden_size_tuple

@@ -24,17 +24,18 @@ IMPALA_STAGES = ((16, 2), (32, 2), (32, 2))  # (channels, residual blocks) per s
 IMPALA_FC_SIZE = 256
 # The keys of run.model per kind, closed: an actor refuses a kind or a key it does not know. OPTIONAL_KEYS may be
 # absent (learners before them; a learner leaves them out at their default, so actors before them still act).
-OPTIONAL_KEYS = {"mlp": (), "conv": ("obs_norm",), "deep": ("obs_norm",)}
+OPTIONAL_KEYS = {"mlp": (), "conv": ("obs_norm", "value_fc"), "deep": ("obs_norm", "value_fc")}
 MODEL_KEYS = {
     "mlp": ("kind", "hidden_sizes", "activation"),
-    "conv": ("kind", "input_scale", "conv_layers", "fc_size", "activation", "lstm_size", "obs_norm"),
-    "deep": ("kind", "input_scale", "stages", "fc_size", "lstm_size", "obs_norm"),
+    "conv": ("kind", "input_scale", "conv_layers", "fc_size", "activation", "lstm_size", "obs_norm", "value_fc"),
+    "deep": ("kind", "input_scale", "stages", "fc_size", "lstm_size", "obs_norm", "value_fc"),
 }
+IMAGE_ONLY = ("lstm_size", "obs_norm", "value_fc")  # fields an MLP cannot take
 # The ModelConfig fields each kind uses; a concrete kind leaves the others at their defaults.
 _KIND_FIELDS = {
     "mlp": ("hidden_sizes", "activation"),
-    "conv": ("conv_layers", "fc_size", "conv_activation", "input_scale", "lstm_size", "obs_norm"),
-    "deep": ("stages", "fc_size", "input_scale", "lstm_size", "obs_norm"),
+    "conv": ("conv_layers", "fc_size", "conv_activation", "input_scale", *IMAGE_ONLY),
+    "deep": ("stages", "fc_size", "input_scale", *IMAGE_ONLY),
 }
 
 
@@ -86,7 +87,9 @@ class ModelConfig:
     ``conv_layers`` (``(out_channels, kernel, stride, padding)`` per layer), ``fc_size``, ``conv_activation``,
     ``input_scale`` and ``lstm_size``; "deep" (the IMPALA ResNet) uses ``stages`` (``(channels, residual blocks)``
     per stage), ``fc_size``, ``input_scale`` and ``lstm_size``; "auto" carries them all and :meth:`resolved` keeps
-    what the observations call for. ``lstm_size`` > 0 adds an LSTM core of that many units after the torso. A concrete
+    what the observations call for. ``lstm_size`` > 0 adds an LSTM core of that many units after the torso;
+    ``obs_norm`` normalises image inputs by running statistics; ``value_fc`` gives the value head a fully connected
+    layer of its own (image networks without an LSTM core: only the convolutions are then shared). A concrete
     kind's unused fields must stay at their defaults, so two configs are equal exactly when they build the same
     network, and ``from_dict(to_dict(c)) == c``.
     """
@@ -101,6 +104,7 @@ class ModelConfig:
     stages: tuple[tuple[int, int], ...] = IMPALA_STAGES
     lstm_size: int = 0  # units of the LSTM core after the torso (0: none); image networks only
     obs_norm: bool = False  # image networks: scaled pixels normalised per element by running statistics (nets.ObsNorm)
+    value_fc: bool = False  # image networks: the value head's own fully connected layer, beside the policy's fc
 
     def __post_init__(self):
         if self.kind not in ("auto", *MODEL_KEYS):
@@ -120,8 +124,11 @@ class ModelConfig:
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"input_scale must be a finite number > 0, got {scale!r}")
         object.__setattr__(self, "input_scale", float(scale))
-        if not isinstance(self.obs_norm, bool):
-            raise ValueError(f"obs_norm must be true or false, got {self.obs_norm!r}")
+        for name in ("obs_norm", "value_fc"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.value_fc and self.lstm_size:
+            raise ValueError("value_fc needs a network without an LSTM core (the core feeds both heads)")
         self._check_unused()
 
     def _check_unused(self) -> None:
@@ -134,12 +141,14 @@ class ModelConfig:
             if f.name != "kind" and f.name not in _KIND_FIELDS[self.kind] and getattr(self, f.name) != f.default
         ]
         if unused:
-            image_only = {"lstm_size", "obs_norm"} & set(unused)
-            why = " (an LSTM core or obs_norm needs an image network)" if image_only else ""
+            image_only = set(IMAGE_ONLY) & set(unused)
+            why = " (an LSTM core, obs_norm or value_fc needs an image network)" if image_only else ""
             raise ValueError(f"a {self.kind} model does not use {', '.join(unused)}{why}")
 
     @classmethod
-    def deep(cls, input_scale: float = 1 / 255, lstm_size: int = 0, obs_norm: bool = False) -> ModelConfig:
+    def deep(
+        cls, input_scale: float = 1 / 255, lstm_size: int = 0, obs_norm: bool = False, value_fc: bool = False
+    ) -> ModelConfig:
         """The IMPALA paper's deep network: stages (16, 2), (32, 2), (32, 2) and a fully connected layer of 256."""
         return cls(
             "deep",
@@ -148,10 +157,13 @@ class ModelConfig:
             input_scale=input_scale,
             lstm_size=lstm_size,
             obs_norm=obs_norm,
+            value_fc=value_fc,
         )
 
     @classmethod
-    def minatar(cls, input_scale: float = 1.0, lstm_size: int = 0, obs_norm: bool = False) -> ModelConfig:
+    def minatar(
+        cls, input_scale: float = 1.0, lstm_size: int = 0, obs_norm: bool = False, value_fc: bool = False
+    ) -> ModelConfig:
         """The MinAtar paper's network: one 3x3 convolution of 16 channels, a fully connected layer of 128."""
         return cls(
             "conv",
@@ -160,6 +172,7 @@ class ModelConfig:
             input_scale=input_scale,
             lstm_size=lstm_size,
             obs_norm=obs_norm,
+            value_fc=value_fc,
         )
 
     def resolved(self, spec: TrajectorySpec) -> ModelConfig:
@@ -168,13 +181,14 @@ class ModelConfig:
         "mlp" otherwise (the other kinds' fields back at their defaults)."""
         if self.kind != "auto":
             return self
+        image = {name: getattr(self, name) for name in IMAGE_ONLY}
         if spec.obs_dtype == "uint8" and len(spec.obs_shape) == 3:
             if max(spec.obs_shape[1:]) <= SMALL_IMAGE_PIXELS:
-                return ModelConfig.minatar(self.input_scale, self.lstm_size, self.obs_norm)
-            return ModelConfig("conv", input_scale=self.input_scale, lstm_size=self.lstm_size, obs_norm=self.obs_norm)
-        if self.lstm_size or self.obs_norm:
+                return ModelConfig.minatar(self.input_scale, **image)
+            return ModelConfig("conv", input_scale=self.input_scale, **image)
+        if any(image.values()):
             raise ValueError(
-                "an LSTM core or obs_norm needs an image network (uint8 [C, H, W] observations); these are "
+                "an LSTM core, obs_norm or value_fc needs an image network (uint8 [C, H, W] observations); these are "
                 f"{spec.obs_dtype} {list(spec.obs_shape)}"
             )
         return ModelConfig("mlp", hidden_sizes=self.hidden_sizes, activation=self.activation)
@@ -185,7 +199,8 @@ class ModelConfig:
         for kind "auto", which is a request and no network yet (resolve it against a spec first)."""
         if self.kind == "mlp":
             return {"kind": "mlp", "hidden_sizes": list(self.hidden_sizes), "activation": self.activation}
-        optional = {"obs_norm": True} if self.obs_norm else {}  # left out at its default: older actors still act
+        # Left out at their defaults: actors that predate them still act for a learner that does not use them.
+        optional = {name: True for name in OPTIONAL_KEYS.get(self.kind, ()) if getattr(self, name)}
         if self.kind == "conv":
             return {
                 "kind": "conv",
@@ -241,6 +256,7 @@ class ModelConfig:
                     input_scale=d["input_scale"],
                     lstm_size=d["lstm_size"],
                     obs_norm=d.get("obs_norm", False),
+                    value_fc=d.get("value_fc", False),
                 )
             return cls(
                 "conv",
@@ -250,6 +266,7 @@ class ModelConfig:
                 input_scale=d["input_scale"],
                 lstm_size=d["lstm_size"],
                 obs_norm=d.get("obs_norm", False),
+                value_fc=d.get("value_fc", False),
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"run.model of kind {kind}: {e}") from None
@@ -296,6 +313,7 @@ def build_model(spec: TrajectorySpec, cfg: ModelConfig) -> ActorCritic:
             cfg.lstm_size,
             flat_size=math.prod(conv_output_shape(spec.obs_shape, cfg.conv_layers)),
             obs_norm=cfg.obs_norm,
+            value_fc=cfg.value_fc,
         )
     if cfg.kind == "deep":
         return ResNetActorCritic(
@@ -307,5 +325,6 @@ def build_model(spec: TrajectorySpec, cfg: ModelConfig) -> ActorCritic:
             cfg.lstm_size,
             flat_size=math.prod(resnet_output_shape(spec.obs_shape, cfg.stages)),
             obs_norm=cfg.obs_norm,
+            value_fc=cfg.value_fc,
         )
     return MLPActorCritic(math.prod(spec.obs_shape), spec.num_actions, cfg.hidden_sizes, cfg.activation)

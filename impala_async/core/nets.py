@@ -86,8 +86,10 @@ class ActorCritic(nn.Module):
     """Subclasses build their torso, then call :meth:`_heads`, and implement ``features(obs [N, ...]) ->
     (policy features [N, F], value features [N, F])`` (the same tensor twice for a shared torso)."""
 
-    input_scale: float  # image networks set both in their constructor (annotations only: see :meth:`scaled`)
+    input_scale: float  # image networks set these in their constructor (annotations only: see :meth:`scaled`)
     obs_norm: ObsNorm | None
+    fc: nn.Sequential
+    value_fc: nn.Sequential | None
 
     def scaled(self, obs: torch.Tensor) -> torch.Tensor:
         """Image observations ``[N, C, H, W]`` as the torso takes them: float32 times ``input_scale``, normalised by
@@ -103,6 +105,20 @@ class ActorCritic(nn.Module):
         width = lstm_size or width
         self.policy_head = init_(nn.Linear(width, num_actions), 0.01)
         self.value_head = init_(nn.Linear(width, 1), 1.0)
+
+    def _value_fc(self, wanted: bool, linear, activation) -> None:
+        """Image networks: with ``wanted``, ``value_fc`` (``linear()`` then ``activation``), the value's own fully
+        connected layer beside the policy's ``fc``, built after the heads (which so initialise the same with it or
+        without); else None. Not with an LSTM core, which reads one vector for both heads."""
+        if wanted and self.core is not None:
+            raise ValueError("value_fc needs a network without an LSTM core (the core feeds both heads)")
+        self.value_fc = nn.Sequential(linear(), activation()) if wanted else None
+
+    def _split(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image networks: the torso's flattened output ``[N, F]`` -> ``(fc(flat), value_fc(flat))``, each
+        ``[N, fc_size]`` (``fc(flat)`` twice without a ``value_fc``)."""
+        x = self.fc(flat)
+        return x, (x if self.value_fc is None else self.value_fc(flat))
 
     def features(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``obs [N, *obs_shape]`` -> ``(policy features [N, F], value features [N, F])``: the subclass's torso."""
@@ -185,7 +201,9 @@ class ConvActorCritic(ActorCritic):
 
     ``torso``: ``[N, C, H, W]`` times ``input_scale`` -> per layer ``Conv2d`` then activation -> flattened
     ``[N, C' * H' * W']``; ``fc``: ``Linear`` then activation ``-> [N, fc_size]``; ``core`` (with ``lstm_size``):
-    ``LSTMCell -> [N, lstm_size]``; ``policy_head``: ``-> [N, A]``; ``value_head``: ``-> [N, 1]``, squeezed.
+    ``LSTMCell -> [N, lstm_size]``; ``policy_head``: ``-> [N, A]``; ``value_head``: ``-> [N, 1]``, squeezed. With
+    ``value_fc`` the value head reads a fully connected layer of its own (``value_fc``, shaped as ``fc``) and ``fc``
+    feeds the policy head alone: only the convolutions are shared (no LSTM core then).
     """
 
     def __init__(
@@ -199,6 +217,7 @@ class ConvActorCritic(ActorCritic):
         lstm_size: int = 0,
         flat_size: int = 0,
         obs_norm: bool = False,
+        value_fc: bool = False,
     ):
         super().__init__()
         self.input_scale = float(input_scale)
@@ -210,10 +229,10 @@ class ConvActorCritic(ActorCritic):
         self.torso = nn.Sequential(*layers, nn.Flatten())
         self.fc = nn.Sequential(init_(nn.Linear(flat_size, fc_size), math.sqrt(2)), ACTIVATIONS[activation]())
         self._heads(fc_size, num_actions, lstm_size)
+        self._value_fc(value_fc, lambda: init_(nn.Linear(flat_size, fc_size), math.sqrt(2)), ACTIVATIONS[activation])
 
     def features(self, obs):
-        x = self.fc(self.torso(self.scaled(obs)))
-        return x, x
+        return self._split(self.torso(self.scaled(obs)))
 
 
 class ResidualBlock(nn.Module):
@@ -234,7 +253,8 @@ class ResNetActorCritic(ActorCritic):
     Per stage (channels, blocks) of ``stages`` (default (16, 2), (32, 2), (32, 2)): ``conv`` 3x3 stride 1 padding 1
     -> ``MaxPool2d(3, stride 2, padding 1)`` (halves H and W, rounding up) -> ``blocks`` residual blocks. Then ReLU,
     flatten (``[N, 32 * 11 * 11]`` for 84x84), ``fc`` Linear + ReLU ``-> [N, fc_size]`` (256), the optional LSTM core,
-    and the heads. Convolutions and ``fc`` keep PyTorch's default initialisation (as torchbeast does)."""
+    and the heads; ``value_fc`` as in :class:`ConvActorCritic`. Convolutions and ``fc`` keep PyTorch's default
+    initialisation (as torchbeast does)."""
 
     def __init__(
         self,
@@ -246,6 +266,7 @@ class ResNetActorCritic(ActorCritic):
         lstm_size: int = 0,
         flat_size: int = 0,
         obs_norm: bool = False,
+        value_fc: bool = False,
     ):
         super().__init__()
         self.input_scale = float(input_scale)
@@ -261,6 +282,7 @@ class ResNetActorCritic(ActorCritic):
             c = channels
         self.fc = nn.Sequential(nn.Linear(flat_size, fc_size), nn.ReLU())
         self._heads(fc_size, num_actions, lstm_size)
+        self._value_fc(value_fc, lambda: nn.Linear(flat_size, fc_size), nn.ReLU)
 
     def features(self, obs):
         x = self.scaled(obs)
@@ -268,5 +290,4 @@ class ResNetActorCritic(ActorCritic):
             x = stage.pool(stage.conv(x))
             for block in stage.blocks:
                 x = block(x)
-        x = self.fc(torch.relu(x).flatten(1))
-        return x, x
+        return self._split(torch.relu(x).flatten(1))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -44,17 +45,16 @@ def model_config(cfg: LearnerConfig) -> ModelConfig:
     """The network the configuration asks for (kind "auto" is resolved against the spec by :class:`Learner`).
     ``input_scale`` 0 (auto) is resolved with the configuration (config/resolve.py); 1/255 here."""
     m = cfg.model
-    scale, lstm, norm = m.input_scale or 1 / 255, m.lstm_size if m.use_lstm else 0, bool(m.obs_norm)
     if m.model == "mlp":
         return ModelConfig("mlp", hidden_sizes=m.hidden_size_tuple, activation=m.activation)
-    if m.model == "shallow":
-        return ModelConfig("conv", input_scale=scale, lstm_size=lstm, obs_norm=norm)
-    if m.model == "minatar":
-        return ModelConfig.minatar(input_scale=scale, lstm_size=lstm, obs_norm=norm)
-    if m.model == "deep":
-        return ModelConfig.deep(input_scale=scale, lstm_size=lstm, obs_norm=norm)
-    return ModelConfig(
-        hidden_sizes=m.hidden_size_tuple, activation=m.activation, input_scale=scale, lstm_size=lstm, obs_norm=norm
+    named = {"shallow": ModelConfig("conv"), "minatar": ModelConfig.minatar(), "deep": ModelConfig.deep()}
+    auto = ModelConfig(hidden_sizes=m.hidden_size_tuple, activation=m.activation)
+    return replace(
+        named.get(m.model, auto),
+        input_scale=m.input_scale or 1 / 255,
+        lstm_size=m.lstm_size if m.use_lstm else 0,
+        obs_norm=bool(m.obs_norm),
+        value_fc=bool(m.value_fc),
     )
 
 

@@ -39,6 +39,7 @@ SHAPING = (
     "use_lstm",
     "lstm_size",
     "obs_norm",
+    "value_fc",
     "optimizer",
 )
 
