@@ -266,6 +266,9 @@ def test_a_linear_rate_that_would_reach_zero_before_the_budget_is_warned_of():
     assert LearnerConfig.of(total_env_steps=9_000_000, schedule_env_steps=1000, lr_schedule="constant").warnings() == []
     (warning,) = LearnerConfig.of(total_env_steps=9_000_000, schedule_env_steps=5_000_000).warnings()
     assert "5,000,000" in warning and "--schedule-env-steps" in warning and "--lr-schedule constant" in warning
+    (warning,) = LearnerConfig.of(entropy_schedule_env_steps=5_000_000).warnings()
+    assert "--final-entropy-cost" in warning
+    assert LearnerConfig.of(entropy_schedule_env_steps=5_000_000, final_entropy_cost=0.0006).warnings() == []
     for bad in ({"schedule_env_steps": 0}, {"rmsprop_eps": 0.0}, {"adam_eps": float("inf")}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LearnerConfig.of(**bad).check()

@@ -85,6 +85,11 @@ class LearnerConfig:
                 f"before total_env_steps = {total:,}: the rest of the run will not learn (raise --schedule-env-steps "
                 "to the budget, or choose --lr-schedule constant)"
             )
+        if loss.entropy_schedule_env_steps and loss.final_entropy_cost < 0:
+            out.append(
+                "entropy_schedule_env_steps is set but final_entropy_cost is not: the entropy cost stays at "
+                f"entropy_cost = {loss.entropy_cost:g} (give --final-entropy-cost the value to anneal to)"
+            )
         return out
 
     @property
