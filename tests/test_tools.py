@@ -125,6 +125,7 @@ OWN_TEST = {
     "ab_report": "test_ab.py",
     "curriculum_lag": "test_curriculum.py",
     "fuzz_decoder": "test_fuzz.py",
+    "keep_curve": "test_keep_curve.py",
     "k8s_render": "test_deploy.py",
     "plot": "test_plot.py",
     "sf_pong": "test_sf_pong.py",
