@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from plot import metrics_path
+
 from impala_async.learner.reports.metrics import read_metrics
 
 DEFAULT_KEYS = (
@@ -65,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.every_env_steps <= 0:
         parser.error(f"--every-env-steps must be positive, got {args.every_env_steps}")
-    source = Path(args.run)
-    source = source / "metrics.jsonl" if source.is_dir() else source
+    source = metrics_path(args.run)
     if not source.is_file():
         parser.error(f"no metrics.jsonl at {source}")
     records = [r for r in read_metrics(source) if isinstance(r, dict)]
