@@ -11,8 +11,35 @@ from procutil import ENDLESS, cli, stop, tail, wait_for
 
 from impala_async.learner import checkpoint
 from impala_async.learner.reports.metrics import MetricsWriter, read_metrics
+from impala_async.ops import interrupts
 
 SMALL = ENDLESS
+
+# `python SWALLOW MODULE FUNCTION ARGS...`: the learner's command ARGS, with a SIGINT raised at the start of
+# impala_async.learner.MODULE.FUNCTION and swallowed there, as a __del__ or a C extension clearing errors swallows one
+# (ops/interrupts.py): the Ctrl-C a user pressed, lost on its way.
+SWALLOW = """
+import signal
+import sys
+
+from impala_async.cli import main as cli_main
+from impala_async.learner import main, server
+
+module, name = {"main": main, "server": server}[sys.argv[1]], sys.argv[2]
+real = getattr(module, name)
+
+
+def swallowing(*args, **kwargs):
+    try:
+        signal.raise_signal(signal.SIGINT)
+    except KeyboardInterrupt:
+        print("swallowed a KeyboardInterrupt", file=sys.stderr, flush=True)
+    return real(*args, **kwargs)
+
+
+setattr(module, name, swallowing)
+sys.exit(cli_main(sys.argv[3:]))
+"""
 
 
 def test_a_line_torn_by_a_kill_is_cut_before_the_next_record(tmp_path):
@@ -57,3 +84,46 @@ def test_ctrl_c_at_any_moment_of_startup_ends_in_one_line(tmp_path, moment):
     text = log.read_text()
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, tail(log, 60)
     assert code in (0, 130), (code, tail(log))
+
+
+def test_a_swallowed_ctrl_c_is_raised_again():
+    """In process: the handler counts what it raised, swallowed or not; nothing is raised where none came."""
+    before = signal.getsignal(signal.SIGINT)
+    interrupts.install()
+    try:
+        interrupts.reraise_lost()  # none came: nothing
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.reraise_lost()
+        interrupts.install()  # a new start counts afresh
+        interrupts.reraise_lost()
+    finally:
+        interrupts.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before, "the handler it replaced is back"
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(
+    ("module", "function", "codes", "said"),
+    [
+        ("main", "_own_logdir", (130,), "impala-async: interrupted"),  # before the event loop: raised again
+        ("server", "LearnerServer", (130,), "impala-async: interrupted"),  # the last step before it
+        ("server", "assemble", (0,), "SIGINT: shutting down"),  # in it, before the server's handlers: uvloop's pipe
+    ],
+)
+def test_a_ctrl_c_that_start_up_swallows_still_ends_it(tmp_path, module, function, codes, said):
+    """The suite's lost SIGINT (BENCHMARKS.md section 20): a KeyboardInterrupt swallowed at start-up left the learner
+    training until SIGTERM; it must end the start-up as one not swallowed does."""
+    script, log = tmp_path / "swallow.py", tmp_path / "log"
+    script.write_text(SWALLOW)
+    proc = cli(module, function, "train", *SMALL, "--logdir", str(tmp_path / "run"), log=log, script=script)
+    try:
+        code = proc.wait(120)
+    finally:
+        stop(proc)
+    text = log.read_text()
+    assert "swallowed a KeyboardInterrupt" in text, tail(log)
+    assert code in codes and said in text and "Traceback" not in text, (code, tail(log))

@@ -14,6 +14,7 @@ import math
 
 from ..config import Layered, LearnerConfig, layers, lockstep
 from ..config.resolve import Probe, addresses, fit_connections, resolve
+from ..ops import interrupts
 from . import ranks
 
 log = logging.getLogger("impala_async.learner.main")
@@ -136,11 +137,13 @@ def run(
 ) -> int:
     """Serve one learner process until the run ends; its exit code (README, Exit codes)."""
     zygotes: list = []  # the local actors' zygote, forked by _prepare
+    interrupts.install()  # a Ctrl-C that start-up swallows still ends it (ops/interrupts.py)
     try:
         return _run(layered, resumed, command, default_listen, argv, start_monotonic, zygotes)
     finally:
         for zygote in zygotes:
             zygote.close()
+        interrupts.uninstall()
 
 
 def _run(layered: Layered, resumed, command: str, default_listen: str, argv, start_monotonic: float, zygotes) -> int:
@@ -278,6 +281,7 @@ def _serve(layered: Layered, spec, env_backend: str, device, keys, group, start_
         ranks=group,
         config_layers=layered.layers,
     )
+    interrupts.reraise_lost()  # a Ctrl-C swallowed since run() began: the start-up ends here, as one not swallowed
     code = uvloop.run(server.serve())
     return group.exit(code, server.exit_reason)
 
